@@ -1,0 +1,27 @@
+// Operator schemas (defined once, here) and the Python module swap_optimizer._C.
+// Backend implementations register themselves in csrc/kernels/{cpu,cuda}.
+#include "../kernels/op_registry.h"
+
+#include <torch/extension.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(swap_optimizer, m) {
+  m.def(swap_optimizer::kFusedAdamPackedSchema);
+}
+
+namespace {
+
+constexpr bool kBuiltWithCuda =
+#ifdef SWAP_OPTIMIZER_WITH_CUDA
+    true;
+#else
+    false;
+#endif
+
+}  // namespace
+
+PYBIND11_MODULE(_C, module) {
+  module.doc() = "swap_optimizer native extension: fused packed AdamW kernels and runtime";
+  module.def("built_with_cuda", [] { return kBuiltWithCuda; },
+             "True when the CUDA kernels were compiled into this build.");
+}

@@ -1,0 +1,84 @@
+// CPU implementation of swap_optimizer::fused_adam_packed: validation, step
+// counts and bias corrections, then the element loops of the best instruction
+// set this CPU offers (capability_*.cpp).
+#include "../op_registry.h"
+#include "../packed_layout.h"
+#include "cpu_update.h"
+
+#include <ATen/Version.h>
+#include <torch/library.h>
+
+#include <array>
+
+namespace swap_optimizer {
+namespace {
+
+DtypePair dtype_pair(const ParamRegions& r) {
+  const bool float_state = r.state_dtype == c10::kFloat;
+  switch (r.param_dtype) {
+    case c10::kBFloat16: return float_state ? DtypePair::kBFloat16FloatState : DtypePair::kBFloat16;
+    case c10::kHalf: return float_state ? DtypePair::kHalfFloatState : DtypePair::kHalf;
+    default: return DtypePair::kFloat;
+  }
+}
+
+// The instruction set torch itself picked for this CPU; honours the
+// ATEN_CPU_CAPABILITY environment variable as torch's own kernels do.
+CpuUpdateFn select_update_fn() {
+#if defined(__x86_64__)
+  const std::string capability = at::get_cpu_capability();
+  if (capability == "AVX512") return &update_params_avx512;
+  if (capability == "AVX2") return &update_params_avx2;
+#endif
+  return &update_params_default;
+}
+
+void fused_adam_packed_cpu(at::TensorList params, at::TensorList grads, const at::Tensor& arena,
+                           const at::Tensor& layout, const at::Tensor& steps, double lr,
+                           double beta1, double beta2, double eps, double weight_decay,
+                           bool amsgrad, bool maximize, bool decoupled_weight_decay,
+                           std::optional<c10::ScalarType> state_dtype,
+                           const std::optional<at::Tensor>& grad_scale,
+                           const std::optional<at::Tensor>& found_inf) {
+  const PackedUpdateArgs args{lr, beta1, beta2, eps, weight_decay,
+                              amsgrad, maximize, decoupled_weight_decay};
+  const std::vector<ParamRegions> regions = validate_packed_update(
+      params, grads, arena, layout, steps, state_dtype, args, grad_scale, found_inf);
+  TORCH_CHECK_VALUE(arena.device().is_cpu(), "fused_adam_packed (CPU): arena is on ",
+                    arena.device());
+  if (found_inf.has_value() && found_inf->item<float>() != 0.f) {
+    return;  // GradScaler saw an inf or NaN: skip the step, step counts included.
+  }
+  const float* scale = grad_scale.has_value() ? grad_scale->const_data_ptr<float>() : nullptr;
+  const AdamHyper hyper = make_adam_hyper(args);
+  uint8_t* base = arena.data_ptr<uint8_t>();
+  auto at_offset = [base](int64_t offset) -> void* {
+    return offset == kAbsent ? nullptr : base + offset;
+  };
+
+  float* step_counts = steps.data_ptr<float>();
+  std::array<std::vector<CpuParamWork>, static_cast<size_t>(DtypePair::kCount)> groups;
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const ParamRegions& r = regions[i];
+    const float next_step = step_counts[i] + 1.0f;
+    step_counts[i] = next_step;
+    if (r.numel == 0) continue;
+    groups[static_cast<size_t>(dtype_pair(r))].push_back(
+        {params[i].data_ptr(), grads[i].const_data_ptr(), at_offset(r.exp_avg),
+         at_offset(r.exp_avg_sq), at_offset(r.max_exp_avg_sq),
+         static_cast<float*>(at_offset(r.master)), r.numel,
+         make_step_scalars(lr, beta1, beta2, next_step)});
+  }
+  static const CpuUpdateFn update = select_update_fn();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (!groups[g].empty()) update(static_cast<DtypePair>(g), groups[g], hyper, scale);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(swap_optimizer, CPU, m) {
+  m.impl(kFusedAdamPackedOp, &fused_adam_packed_cpu);
+}
+
+}  // namespace swap_optimizer

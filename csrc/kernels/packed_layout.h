@@ -1,0 +1,62 @@
+// The layout table that places each parameter's optimizer state inside one
+// packed byte arena, and its validation. Shared by the CPU and CUDA kernels so
+// both reject exactly the same tables, before any element is written.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace swap_optimizer {
+
+// Columns of the int64 layout table, one row per parameter. Offsets are in
+// bytes from the start of the arena; kAbsent marks a state that is not kept.
+enum LayoutColumn : int64_t {
+  kExpAvgOffset = 0,
+  kExpAvgSqOffset = 1,
+  kMaxExpAvgSqOffset = 2,
+  kMasterOffset = 3,
+  kNumel = 4,
+  kLayoutColumns = 5,
+};
+constexpr int64_t kAbsent = -1;
+
+// Byte offsets of one parameter's states, checked against its arena.
+struct ParamRegions {
+  int64_t exp_avg;
+  int64_t exp_avg_sq;
+  int64_t max_exp_avg_sq;  // kAbsent unless amsgrad
+  int64_t master;          // kAbsent unless the fp32 master copy is kept
+  int64_t numel;
+  c10::ScalarType param_dtype;
+  c10::ScalarType state_dtype;
+};
+
+struct PackedUpdateArgs {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  bool amsgrad;
+  bool maximize;
+  bool decoupled_weight_decay;
+};
+
+// Validates every argument of the fused op and returns the regions of each
+// parameter. Throws c10::Error (ValueError/TypeError in Python) naming the
+// parameter index and the fix; nothing has been written when it throws.
+std::vector<ParamRegions> validate_packed_update(
+    at::TensorList params, at::TensorList grads, const at::Tensor& arena,
+    const at::Tensor& layout, const at::Tensor& steps,
+    std::optional<c10::ScalarType> state_dtype, const PackedUpdateArgs& args,
+    const std::optional<at::Tensor>& grad_scale,
+    const std::optional<at::Tensor>& found_inf);
+
+struct AdamHyper;
+AdamHyper make_adam_hyper(const PackedUpdateArgs& args);
+
+}  // namespace swap_optimizer

@@ -1,0 +1,12 @@
+"""swap-optimizer: AdamW with its state in pinned host memory, streamed through
+small device staging arenas during step()."""
+
+from . import _C
+from .ops import LAYOUT_COLUMNS, fused_adam_packed, plan_packed_layout
+
+__all__ = ["built_with_cuda", "fused_adam_packed", "plan_packed_layout", "LAYOUT_COLUMNS"]
+
+
+def built_with_cuda() -> bool:
+    """True when this build of the extension contains the CUDA kernels."""
+    return bool(_C.built_with_cuda())

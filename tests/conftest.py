@@ -1,0 +1,26 @@
+import os
+import sys
+
+import pytest
+import torch
+
+# Shared helpers live beside the tests (pytest runs in importlib mode).
+sys.path.insert(0, os.path.dirname(__file__))
+
+import swap_optimizer  # noqa: E402
+
+
+def _cuda_skip_reason():
+    if not swap_optimizer.built_with_cuda():
+        return "swap_optimizer was built without CUDA kernels"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine"
+    return None
+
+
+CUDA_SKIP_REASON = _cuda_skip_reason()
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=str(CUDA_SKIP_REASON))),
+]
+requires_cuda = pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=str(CUDA_SKIP_REASON))

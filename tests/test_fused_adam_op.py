@@ -1,0 +1,284 @@
+"""swap_optimizer::fused_adam_packed against torch.optim.Adam/AdamW.
+
+Tolerances (asserted below, reported in docs/design.md):
+- fp32 vs torch.optim single-tensor Adam/AdamW, 20 steps: rtol 1e-5, atol 1e-7.
+- bf16/fp16 vs torch.optim fused Adam/AdamW (same fp32 math, one rounding per
+  stored value): atol 1e-5, rtol 1e-4 for at least 99.9% of elements, and every
+  element within one unit in the last place of the dtype.
+- master weights (bf16 params, fp32 master and states) vs fp32 torch.optim:
+  rtol 1e-5, atol 1e-7 on the master; the bf16 param equals the rounded master.
+- CUDA vs CPU: rtol 1e-6, atol 1e-7.
+- Batching, arena placement and CPU instruction set: bitwise identical.
+"""
+
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import swap_optimizer as so
+from conftest import DEVICES, requires_cuda
+from packed_reference import AdamFlags, PackedBatches, random_grads, random_params
+
+STEPS = 20
+SIZES = [1, 2, 3, 7, 31, 33, 127, 1000, 4097, 16385, 65537]
+ALL_FLAGS = [
+    AdamFlags(decoupled=d, amsgrad=a, maximize=m, weight_decay=wd)
+    for d, a, m, wd in itertools.product([True, False], [False, True], [False, True], [0.0, 0.1])
+]
+FP32_TOL = dict(rtol=1e-5, atol=1e-7)
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def flag_id(f):
+    return f"{'adamw' if f.decoupled else 'adam'}-ams{int(f.amsgrad)}-max{int(f.maximize)}-wd{f.weight_decay}"
+
+
+def run_pair(sizes, dtype, device, flags, seed, reference_kwargs, batch_sizes=None, steps=STEPS):
+    params = random_params(sizes, dtype, device, seed)
+    ref = [p.clone().requires_grad_() for p in params]
+    opt = flags.torch_optimizer(ref, **reference_kwargs)
+    ours = PackedBatches(params, batch_sizes or [len(params)], amsgrad=flags.amsgrad)
+    for step in range(steps):
+        grads = random_grads(params, seed, step)
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        ours.step(grads, flags)
+    return params, ref, opt, ours
+
+
+def assert_states_close(params, ref, opt, ours, flags, **tol):
+    for i, (p, r) in enumerate(zip(params, ref)):
+        assert_close(p, r.detach(), **tol, msg=lambda m: f"param {i} (numel {p.numel()}): {m}")
+        state = opt.state[r]
+        assert_close(ours.state(i, 0), state["exp_avg"], **tol)
+        assert_close(ours.state(i, 1), state["exp_avg_sq"], **tol)
+        if flags.amsgrad:
+            assert_close(ours.state(i, 2), state["max_exp_avg_sq"], **tol)
+    expected_steps = torch.tensor([float(opt.state[r]["step"]) for r in ref])
+    assert torch.equal(ours.steps(), expected_steps)
+
+
+def assert_within_one_ulp(actual, expected, dtype):
+    """bf16/fp16 parity with torch's fused kernels, as stated in the module doc."""
+    a, e = actual.float(), expected.float()
+    tight = (a - e).abs() <= 1e-5 + 1e-4 * e.abs()
+    assert tight.float().mean().item() >= 0.999, f"{(~tight).sum().item()} of {a.numel()} elements off"
+    assert_close(a, e, rtol=ULP[dtype], atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flags", ALL_FLAGS, ids=flag_id)
+def test_fp32_matches_torch_optim(device, flags):
+    params, ref, opt, ours = run_pair(SIZES, torch.float32, device, flags, seed=11,
+                                      reference_kwargs=dict(foreach=False))
+    assert_states_close(params, ref, opt, ours, flags, **FP32_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flags", [AdamFlags(), AdamFlags(decoupled=False, amsgrad=True)], ids=flag_id)
+def test_fp32_million_elements(device, flags):
+    params, ref, opt, ours = run_pair([1_000_003, 5], torch.float32, device, flags, seed=12,
+                                      reference_kwargs=dict(foreach=False))
+    assert_states_close(params, ref, opt, ours, flags, **FP32_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("flags", [f for f in ALL_FLAGS if f.weight_decay], ids=flag_id)
+def test_low_precision_matches_torch_fused(device, dtype, flags):
+    params, ref, opt, ours = run_pair(SIZES, dtype, device, flags, seed=13, reference_kwargs=dict(fused=True))
+    for i, (p, r) in enumerate(zip(params, ref)):
+        assert_within_one_ulp(p, r.detach(), dtype)
+        assert_within_one_ulp(ours.state(i, 0), opt.state[r]["exp_avg"], dtype)
+        assert_within_one_ulp(ours.state(i, 1), opt.state[r]["exp_avg_sq"], dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("flags", [AdamFlags(), AdamFlags(decoupled=False, amsgrad=True, maximize=True)], ids=flag_id)
+def test_master_weights_match_fp32_reference(device, dtype, flags):
+    params = random_params(SIZES, dtype, device, seed=14)
+    ref = [p.float().requires_grad_() for p in params]
+    opt = flags.torch_optimizer(ref, foreach=False)
+    ours = PackedBatches(params, [len(params)], amsgrad=flags.amsgrad, state_dtype=torch.float32,
+                         master_weights=True)
+    for step in range(STEPS):
+        grads = random_grads(params, 14, step)
+        for r, g in zip(ref, grads):
+            r.grad = g.float()
+        opt.step()
+        ours.step(grads, flags, state_dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(params, ref)):
+        master = ours.state(i, 3)
+        assert_close(master, r.detach(), **FP32_TOL)
+        assert torch.equal(p, master.to(dtype)), "the param must be the rounded master copy"
+        assert_close(ours.state(i, 0), opt.state[r]["exp_avg"], **FP32_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_states_for_bf16_params(device):
+    """fp32 states without a master copy: each step reads the bf16 param, updates
+    in fp32 and rounds the param back, which the reference emulates."""
+    flags = AdamFlags(amsgrad=True)
+    params = random_params(SIZES, torch.bfloat16, device, seed=15)
+    ref = [p.float().requires_grad_() for p in params]
+    opt = flags.torch_optimizer(ref, foreach=False)
+    ours = PackedBatches(params, [len(params)], amsgrad=True, state_dtype=torch.float32)
+    for step in range(STEPS):
+        grads = random_grads(params, 15, step)
+        for r, g in zip(ref, grads):
+            r.grad = g.float()
+        opt.step()
+        with torch.no_grad():
+            for r in ref:
+                r.copy_(r.bfloat16().float())
+        ours.step(grads, flags, state_dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(params, ref)):
+        assert_within_one_ulp(p, r.detach().bfloat16(), torch.bfloat16)
+        assert ours.state(i, 0).dtype == torch.float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bitwise_identical_across_batchings_and_placements(device, dtype):
+    flags = AdamFlags(amsgrad=True, maximize=True)
+    sizes = SIZES + [5, 600, 3]
+    layouts = [
+        dict(batch_sizes=[len(sizes)], alignment=256, start=0),
+        dict(batch_sizes=[1] * len(sizes), alignment=256, start=0),
+        dict(batch_sizes=[3, 5, len(sizes) - 8], alignment=4, start=4),   # not 16-byte aligned
+        dict(batch_sizes=[7, len(sizes) - 7], alignment=16, start=12),
+    ]
+    results = []
+    for layout in layouts:
+        params = random_params(sizes, dtype, device, seed=16)
+        master = dtype != torch.float32
+        ours = PackedBatches(params, layout["batch_sizes"], amsgrad=True, alignment=layout["alignment"],
+                             start=layout["start"], state_dtype=torch.float32 if master else None,
+                             master_weights=master)
+        for step in range(8):
+            ours.step(random_grads(params, 16, step), flags, state_dtype=torch.float32 if master else None)
+        states = [ours.state(i, c) for i in range(len(sizes)) for c in ((0, 1, 2, 3) if master else (0, 1, 2))]
+        results.append([p.cpu() for p in params] + [s.cpu() for s in states])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_cpu_instruction_sets_agree_bitwise():
+    """The AVX-512, AVX2 and baseline builds of the CPU loops give the same bits."""
+    script = (
+        "import sys, hashlib, torch\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from packed_reference import *\n"
+        "ps = random_params([1, 7, 33, 1000, 4097], torch.float32, 'cpu', 3)"
+        " + random_params([9, 1001], torch.bfloat16, 'cpu', 4)\n"
+        "pb = PackedBatches(ps, [7], amsgrad=True)\n"
+        "for s in range(5): pb.step(random_grads(ps, 3, s), AdamFlags(amsgrad=True))\n"
+        "print(torch.backends.cpu.get_cpu_capability(),"
+        " hashlib.sha256(b''.join(p.float().numpy().tobytes() for p in ps)).hexdigest())\n"
+    )
+    digests = {}
+    for capability in ["default", "avx2", "avx512"]:
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        used, digest = out.stdout.split()
+        digests[used] = digest
+    assert len(set(digests.values())) == 1, digests
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_scale_matches_torch_fused(device):
+    flags = AdamFlags(amsgrad=True)
+    scale = 1000.0
+    params = random_params(SIZES, torch.float32, device, seed=17)
+    ref = [p.clone().requires_grad_() for p in params]
+    opt = flags.torch_optimizer(ref, fused=True)
+    ours = PackedBatches(params, [4, len(params) - 4], amsgrad=True)
+    grad_scale = torch.tensor([scale], device=device)
+    opt.grad_scale = grad_scale
+    for step in range(STEPS):
+        grads = [g * scale for g in random_grads(params, 17, step)]
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        ours.step(grads, flags, grad_scale=grad_scale)
+    assert_states_close(params, ref, opt, ours, flags, **FP32_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_found_inf_changes_nothing(device):
+    flags = AdamFlags(amsgrad=True)
+    params = random_params(SIZES, torch.float32, device, seed=18)
+    ours = PackedBatches(params, [len(params)], amsgrad=True)
+    ours.step(random_grads(params, 18, 0), flags)
+    before = [p.clone() for p in params] + [a.clone() for _, _, a, _ in ours.batches]
+    steps_before = ours.steps().clone()
+    found_inf = torch.ones(1, device=device)
+    ours.step(random_grads(params, 18, 1), flags, grad_scale=torch.full((1,), 8.0, device=device),
+              found_inf=found_inf)
+    after = params + [a for _, _, a, _ in ours.batches]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert torch.equal(ours.steps(), steps_before)
+    ours.step(random_grads(params, 18, 2), flags, found_inf=torch.zeros(1, device=device))
+    assert torch.equal(ours.steps(), steps_before + 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch_and_zero_numel_params(device):
+    arena = torch.zeros(0, dtype=torch.uint8, device=device)
+    so.fused_adam_packed([], [], arena, torch.zeros(0, 5, dtype=torch.int64),
+                         torch.zeros(0, device=device), lr=1e-3)
+    flags = AdamFlags()
+    params = random_params([0, 5, 0, 33], torch.float32, device, seed=19)
+    params[0] = params[0].reshape(0, 4)
+    ref = [p.clone().requires_grad_() for p in params]
+    opt = flags.torch_optimizer(ref, foreach=False)
+    ours = PackedBatches(params, [4], amsgrad=False)
+    for step in range(3):
+        grads = random_grads(params, 19, step)
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        ours.step(grads, flags)
+    assert_states_close(params, ref, opt, ours, flags, **FP32_TOL)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cuda_matches_cpu(dtype):
+    flags = AdamFlags(amsgrad=True, decoupled=False)
+    results = {}
+    for device in ["cpu", "cuda"]:
+        params = random_params(SIZES, dtype, device, seed=20)
+        ours = PackedBatches(params, [3, len(params) - 3], amsgrad=True, alignment=4, start=4,
+                             state_dtype=torch.float32, master_weights=True)
+        for step in range(STEPS):
+            ours.step(random_grads(params, 20, step), flags, state_dtype=torch.float32)
+        results[device] = [p.cpu().float() for p in params] + [ours.state(i, 0).cpu() for i in range(len(SIZES))]
+    for a, b in zip(results["cpu"], results["cuda"]):
+        assert_close(b, a, rtol=max(1e-6, ULP.get(dtype, 0)), atol=1e-7)
+
+
+def _opcheck_args(device):
+    params = random_params([5, 1000, 3], torch.float32, device, seed=21)
+    grads = random_grads(params, 21, 0)
+    layout, nbytes = so.plan_packed_layout(params, amsgrad=True)
+    arena = torch.rand(nbytes // 4, device=device).view(torch.uint8)
+    steps = torch.tensor([0.0, 3.0, 1.0], device=device)
+    kwargs = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=True,
+                  maximize=False, decoupled_weight_decay=True, state_dtype=None,
+                  grad_scale=torch.ones(1, device=device), found_inf=torch.zeros(1, device=device))
+    return (params, grads, arena, layout, steps), kwargs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    args, kwargs = _opcheck_args(device)
+    torch.library.opcheck(torch.ops.swap_optimizer.fused_adam_packed.default, args, kwargs)
