@@ -41,13 +41,17 @@ def _extension():
     # passes the standard the installed torch's headers need (C++20 for torch 2.14, C++17 for 2.11).
     # No contraction into FMA anywhere: the vector path, the scalar tail and the
     # CUDA kernel must round identically (see csrc/kernels/adam_math.h).
-    cxx_flags = ["-O3", "-ffp-contract=off"]
+    # at::parallel_for runs in parallel only where the caller was compiled with
+    # OpenMP, as torch itself is; without it the CPU kernel is single-threaded.
+    cxx_flags = ["-O3", "-ffp-contract=off", "-fopenmp", "-Wno-unknown-pragmas"]
+    link_flags = ["-fopenmp"]
     sources = _sources("csrc/kernels/*.cpp") + _sources("csrc/kernels/cpu/*.cpp")
     sources += _sources("csrc/runtime/*.cpp") + _sources("csrc/bindings/*.cpp")
     macros = []
     if not with_cuda:
         return cpp_extension.CppExtension(
-            "swap_optimizer._C", sources, extra_compile_args={"cxx": cxx_flags}, define_macros=macros
+            "swap_optimizer._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags,
+            define_macros=macros,
         )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCH_LIST)
     macros.append(("SWAP_OPTIMIZER_WITH_CUDA", None))
@@ -57,6 +61,7 @@ def _extension():
         "swap_optimizer._C",
         sources,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_link_args=link_flags,
         define_macros=macros,
     )
 

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <type_traits>
 
 namespace swap_optimizer {
@@ -37,30 +38,36 @@ namespace {
 
 constexpr int64_t kChunkElements = 16384;
 constexpr int64_t kLanes = FloatVec::size();
-static_assert(kChunkElements % kLanes == 0, "chunks must hold whole vectors");
+static_assert(kChunkElements % (2 * kLanes) == 0, "chunks must hold whole vectors");
+
+// Two float vectors' worth of T: one full Vectorized<T> for 16-bit types.
+constexpr int64_t kStep = 2 * kLanes;
 
 template <typename T>
-FloatVec load_lanes(const T* source) {
+void load_pair(const T* source, FloatVec& low, FloatVec& high) {
   if constexpr (std::is_same_v<T, float>) {
-    return FloatVec::loadu(source);
+    low = FloatVec::loadu(source);
+    high = FloatVec::loadu(source + kLanes);
   } else {
-    auto reduced = at::vec::Vectorized<T>::loadu(source, kLanes);
-    return std::get<0>(at::vec::convert_to_float<T>(reduced));
+    static_assert(at::vec::Vectorized<T>::size() == kStep, "16-bit vectors hold two float vectors");
+    std::tie(low, high) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(source));
   }
 }
 
 template <typename T>
-void store_lanes(T* destination, const FloatVec& value) {
+void store_pair(T* destination, const FloatVec& low, const FloatVec& high) {
   if constexpr (std::is_same_v<T, float>) {
-    value.store(destination);
+    low.store(destination);
+    high.store(destination + kLanes);
   } else {
-    at::vec::convert_from_float<T>(value, value).store(destination, kLanes);
+    at::vec::convert_from_float<T>(low, high).store(destination);
   }
 }
 
 // flatten: at::vec's operators must be inlined into this loop; under a target
-// pragma GCC otherwise leaves some of them as calls.
-template <typename param_t, typename state_t>
+// pragma GCC otherwise leaves some of them as calls. The flags that pick which
+// arrays exist are template arguments so the loop carries no branches on them.
+template <typename param_t, typename state_t, bool kAmsgrad, bool kMaster>
 __attribute__((flatten)) void update_chunk(const CpuParamWork& w, int64_t begin, int64_t end,
                                           const AdamHyper& shared_hyper, const float* grad_scale) {
   // Local copies: the stores below could alias anything behind a reference,
@@ -77,36 +84,43 @@ __attribute__((flatten)) void update_chunk(const CpuParamWork& w, int64_t begin,
   float* master = w.master;
   int64_t i = begin;
 #if !defined(CPU_CAPABILITY_DEFAULT)
-  for (; i + kLanes <= end; i += kLanes) {
-    FloatVec p = master ? FloatVec::loadu(master + i) : load_lanes(param + i);
-    FloatVec g = load_lanes(grad + i);
-    if (unscale) g = g / FloatVec(scale);
-    FloatVec m = load_lanes(exp_avg + i);
-    FloatVec v = load_lanes(exp_avg_sq + i);
-    FloatVec v_max = hyper.amsgrad ? load_lanes(max_exp_avg_sq + i) : FloatVec(0.f);
-    adam_update(p, g, m, v, v_max, hyper, scalars);
-    if (master) p.store(master + i);
-    store_lanes(param + i, p);
-    store_lanes(exp_avg + i, m);
-    store_lanes(exp_avg_sq + i, v);
-    if (hyper.amsgrad) store_lanes(max_exp_avg_sq + i, v_max);
+  for (; i + kStep <= end; i += kStep) {
+    FloatVec p[2], g[2], m[2], v[2], v_max[2] = {FloatVec(0.f), FloatVec(0.f)};
+    if constexpr (kMaster) {
+      load_pair(master + i, p[0], p[1]);
+    } else {
+      load_pair(param + i, p[0], p[1]);
+    }
+    load_pair(grad + i, g[0], g[1]);
+    load_pair(exp_avg + i, m[0], m[1]);
+    load_pair(exp_avg_sq + i, v[0], v[1]);
+    if constexpr (kAmsgrad) load_pair(max_exp_avg_sq + i, v_max[0], v_max[1]);
+    for (int k = 0; k < 2; ++k) {
+      if (unscale) g[k] = g[k] / FloatVec(scale);
+      adam_update(p[k], g[k], m[k], v[k], v_max[k], hyper, scalars);
+    }
+    if constexpr (kMaster) store_pair(master + i, p[0], p[1]);
+    store_pair(param + i, p[0], p[1]);
+    store_pair(exp_avg + i, m[0], m[1]);
+    store_pair(exp_avg_sq + i, v[0], v[1]);
+    if constexpr (kAmsgrad) store_pair(max_exp_avg_sq + i, v_max[0], v_max[1]);
   }
 #endif
   // The tail; on CPUs without AVX2 the whole chunk, since the generic
   // Vectorized<float> cannot keep the fused multiply-add's single rounding.
   for (; i < end; ++i) {
-    float p = master ? master[i] : static_cast<float>(param[i]);
+    float p = kMaster ? master[i] : static_cast<float>(param[i]);
     float g = static_cast<float>(grad[i]);
     if (unscale) g = g / scale;
     float m = static_cast<float>(exp_avg[i]);
     float v = static_cast<float>(exp_avg_sq[i]);
-    float v_max = hyper.amsgrad ? static_cast<float>(max_exp_avg_sq[i]) : 0.f;
+    float v_max = kAmsgrad ? static_cast<float>(max_exp_avg_sq[i]) : 0.f;
     adam_update(p, g, m, v, v_max, hyper, scalars);
-    if (master) master[i] = p;
+    if (kMaster) master[i] = p;
     param[i] = static_cast<param_t>(p);
     exp_avg[i] = static_cast<state_t>(m);
     exp_avg_sq[i] = static_cast<state_t>(v);
-    if (hyper.amsgrad) max_exp_avg_sq[i] = static_cast<state_t>(v_max);
+    if (kAmsgrad) max_exp_avg_sq[i] = static_cast<state_t>(v_max);
   }
 }
 
@@ -127,8 +141,13 @@ void update_typed(const std::vector<CpuParamWork>& work, const AdamHyper& hyper,
   }
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) {
-      update_chunk<param_t, state_t>(work[chunks[c].work_index], chunks[c].begin, chunks[c].end,
-                                     hyper, grad_scale);
+      const CpuParamWork& w = work[chunks[c].work_index];
+      const bool master = w.master != nullptr;
+      auto run = hyper.amsgrad ? (master ? &update_chunk<param_t, state_t, true, true>
+                                         : &update_chunk<param_t, state_t, true, false>)
+                               : (master ? &update_chunk<param_t, state_t, false, true>
+                                         : &update_chunk<param_t, state_t, false, false>);
+      run(w, chunks[c].begin, chunks[c].end, hyper, grad_scale);
     }
   });
 }
