@@ -187,7 +187,11 @@ def test_cpu_instruction_sets_agree_bitwise():
     digests = {}
     for capability in ["default", "avx2", "avx512"]:
         env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        # cwd: the tests folder, so `python -c` imports the installed package,
+        # not a source checkout that has no compiled _C.
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        assert out.returncode == 0, out.stderr
         used, digest = out.stdout.split()
         digests[used] = digest
     assert len(set(digests.values())) == 1, digests
