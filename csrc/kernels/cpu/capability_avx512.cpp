@@ -1,20 +1,19 @@
 // The CPU element loops built for AVX-512 (F, BW, VL, DQ) + FMA, chosen at run time only on CPUs
-// that have them (at::native::get_cpu_capability). Every header that is not
-// at::vec is included before the target switch, so only this file's own
-// functions and at::vec's AVX512 namespace are compiled for AVX-512.
+// that have it (see select_update_fn in fused_adam_cpu.cpp). Every header that
+// is not at::vec is included before the target switch, so only this file's own
+// functions and at::vec's AVX512 namespace are compiled for AVX-512 (F, BW, VL, DQ) + FMA.
 #include "cpu_update.h"
 
+#ifdef SWAP_OPTIMIZER_CPU_ISA_VARIANTS
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <c10/util/irange.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-#define CPU_CAPABILITY AVX512
 // at::vec and Sleef select their code by the ISA macros that -m flags would
-// set; the target pragma above enables the instructions, these the macros.
+// set; the pragma enables the instructions, these set the macros.
 #ifndef __AVX__
 #define __AVX__ 1
 #endif
@@ -39,21 +38,10 @@
 #ifndef __AVX512DQ__
 #define __AVX512DQ__ 1
 #endif
+#define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
 #include "cpu_lanes.h"
 
-namespace swap_optimizer {
-void update_params_avx512(DtypePair pair, const std::vector<CpuParamWork>& work,
-                        const AdamHyper& hyper, const float* grad_scale) {
-  AVX512::update_params(pair, work, hyper, grad_scale);
-}
-}  // namespace swap_optimizer
+SWAP_OPTIMIZER_DEFINE_CPU_ENTRY(update_params_avx512)
 #pragma GCC pop_options
-#else
-namespace swap_optimizer {
-void update_params_avx512(DtypePair pair, const std::vector<CpuParamWork>& work,
-                        const AdamHyper& hyper, const float* grad_scale) {
-  update_params_default(pair, work, hyper, grad_scale);
-}
-}  // namespace swap_optimizer
 #endif

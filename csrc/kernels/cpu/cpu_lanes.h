@@ -168,3 +168,12 @@ inline void update_params(DtypePair pair, const std::vector<CpuParamWork>& work,
 
 }  // namespace CPU_CAPABILITY
 }  // namespace swap_optimizer
+
+// Defines the entry point named in cpu_update.h for the capability being built.
+#define SWAP_OPTIMIZER_DEFINE_CPU_ENTRY(entry)                                              \
+  namespace swap_optimizer {                                                                \
+  void entry(DtypePair pair, const std::vector<CpuParamWork>& work, const AdamHyper& hyper, \
+             const float* grad_scale) {                                                     \
+    CPU_CAPABILITY::update_params(pair, work, hyper, grad_scale);                           \
+  }                                                                                         \
+  }

@@ -34,8 +34,16 @@ struct CpuParamWork {
 using CpuUpdateFn = void (*)(DtypePair pair, const std::vector<CpuParamWork>& work,
                              const AdamHyper& hyper, const float* grad_scale);
 
+// AVX2 and AVX-512 builds of the loops exist where GCC can switch the target
+// per file (capability_avx2.cpp, capability_avx512.cpp).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SWAP_OPTIMIZER_CPU_ISA_VARIANTS 1
+#endif
+
 void update_params_default(DtypePair, const std::vector<CpuParamWork>&, const AdamHyper&, const float*);
+#ifdef SWAP_OPTIMIZER_CPU_ISA_VARIANTS
 void update_params_avx2(DtypePair, const std::vector<CpuParamWork>&, const AdamHyper&, const float*);
 void update_params_avx512(DtypePair, const std::vector<CpuParamWork>&, const AdamHyper&, const float*);
+#endif
 
 }  // namespace swap_optimizer

@@ -25,7 +25,7 @@ DtypePair dtype_pair(const ParamRegions& r) {
 // The instruction set torch itself picked for this CPU; honours the
 // ATEN_CPU_CAPABILITY environment variable as torch's own kernels do.
 CpuUpdateFn select_update_fn() {
-#if defined(__x86_64__)
+#ifdef SWAP_OPTIMIZER_CPU_ISA_VARIANTS
   const std::string capability = at::get_cpu_capability();
   if (capability == "AVX512") return &update_params_avx512;
   if (capability == "AVX2") return &update_params_avx2;
