@@ -14,7 +14,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 
 import torch
@@ -143,4 +142,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+    main()

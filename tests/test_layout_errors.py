@@ -79,13 +79,11 @@ CASES = {
     "steps wrong dtype": (set_value("steps", lambda s: s.double()), ValueError, "steps must be"),
     "duplicate param": (lambda c: (replace_last("params", lambda p: c["params"][0][:33])(c),), ValueError, "shares its storage"),
     "bad state dtype": (set_kwarg(state_dtype=torch.float64), ValueError, "state_dtype must be"),
-    "fp16 states for a bf16 param": (lambda c: None, None, None),  # replaced below
     "beta out of range": (set_kwarg(betas=(0.9, 1.0)), ValueError, "0 <= beta1, beta2 < 1"),
     "negative lr": (set_kwarg(lr=-1.0), ValueError, "lr >= 0"),
     "grad_scale wrong shape": (set_kwarg(grad_scale=torch.ones(2)), ValueError, "grad_scale must be a float32 tensor with one element"),
     "found_inf wrong dtype": (set_kwarg(found_inf=torch.zeros(1, dtype=torch.int32)), ValueError, "found_inf must be a float32"),
 }
-del CASES["fp16 states for a bf16 param"]
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -112,9 +112,6 @@ std::vector<ParamRegions> validate_packed_update(
   for (int64_t i = 0; i < count; ++i) {
     const at::Tensor& param = params[i];
     const at::Tensor& grad = grads[i];
-    TORCH_CHECK_VALUE(param.layout() == c10::kStrided && grad.layout() == c10::kStrided,
-                      "fused_adam_packed: param ", i,
-                      ": sparse params or grads are not supported; use dense tensors");
     TORCH_CHECK_TYPE(is_supported_float(param.scalar_type()), "fused_adam_packed: param ", i,
                      " has dtype ", param.scalar_type(),
                      "; supported are float32, bfloat16 and float16");
@@ -184,6 +181,15 @@ std::vector<ParamRegions> validate_packed_update(
                       "); every state needs its own region of the arena");
   }
   return regions;
+}
+
+DtypePair dtype_pair(const ParamRegions& regions) {
+  const bool float_state = regions.state_dtype == c10::kFloat;
+  switch (regions.param_dtype) {
+    case c10::kBFloat16: return float_state ? DtypePair::kBFloat16FloatState : DtypePair::kBFloat16;
+    case c10::kHalf: return float_state ? DtypePair::kHalfFloatState : DtypePair::kHalf;
+    default: return DtypePair::kFloat;
+  }
 }
 
 AdamHyper make_adam_hyper(const PackedUpdateArgs& args) {

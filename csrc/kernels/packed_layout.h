@@ -35,6 +35,19 @@ struct ParamRegions {
   c10::ScalarType state_dtype;
 };
 
+// The (param dtype, state dtype) combinations the kernels are built for; each
+// backend runs one typed loop or launch per pair present in a call.
+enum class DtypePair : int {
+  kFloat,  // fp32 param, fp32 states
+  kBFloat16,
+  kBFloat16FloatState,
+  kHalf,
+  kHalfFloatState,
+  kCount,
+};
+
+DtypePair dtype_pair(const ParamRegions& regions);
+
 struct PackedUpdateArgs {
   double lr;
   double beta1;

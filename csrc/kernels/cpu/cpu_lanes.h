@@ -38,10 +38,9 @@ namespace {
 
 constexpr int64_t kChunkElements = 16384;
 constexpr int64_t kLanes = FloatVec::size();
-static_assert(kChunkElements % (2 * kLanes) == 0, "chunks must hold whole vectors");
-
-// Two float vectors' worth of T: one full Vectorized<T> for 16-bit types.
+// Two float vectors' worth of T per iteration: one full Vectorized<T> for 16-bit types.
 constexpr int64_t kStep = 2 * kLanes;
+static_assert(kChunkElements % kStep == 0, "chunks must hold whole iterations");
 
 template <typename T>
 void load_pair(const T* source, FloatVec& low, FloatVec& high) {

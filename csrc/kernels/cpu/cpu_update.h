@@ -3,20 +3,12 @@
 #pragma once
 
 #include "../adam_math.h"
+#include "../packed_layout.h"
 
 #include <cstdint>
 #include <vector>
 
 namespace swap_optimizer {
-
-enum class DtypePair : int {
-  kFloat,            // fp32 param, fp32 states
-  kBFloat16,         // bf16 param, bf16 states
-  kBFloat16FloatState,
-  kHalf,
-  kHalfFloatState,
-  kCount,
-};
 
 // Pointers and scalars of one param; states and master live in the arena.
 struct CpuParamWork {

@@ -13,15 +13,6 @@
 namespace swap_optimizer {
 namespace {
 
-DtypePair dtype_pair(const ParamRegions& r) {
-  const bool float_state = r.state_dtype == c10::kFloat;
-  switch (r.param_dtype) {
-    case c10::kBFloat16: return float_state ? DtypePair::kBFloat16FloatState : DtypePair::kBFloat16;
-    case c10::kHalf: return float_state ? DtypePair::kHalfFloatState : DtypePair::kHalf;
-    default: return DtypePair::kFloat;
-  }
-}
-
 // The instruction set torch itself picked for this CPU; honours the
 // ATEN_CPU_CAPABILITY environment variable as torch's own kernels do.
 CpuUpdateFn select_update_fn() {

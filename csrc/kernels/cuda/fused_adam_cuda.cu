@@ -162,12 +162,7 @@ bool aligned(const void* pointer) {
   return pointer == nullptr || reinterpret_cast<uintptr_t>(pointer) % kVectorBytes == 0;
 }
 
-// Index of a (param dtype, state dtype) pair; the six launch groups.
-int group_of(const ParamRegions& r) {
-  const int param_slot = r.param_dtype == c10::kFloat ? 0 : r.param_dtype == c10::kBFloat16 ? 1 : 2;
-  return param_slot * 2 + (r.state_dtype == c10::kFloat && r.param_dtype != c10::kFloat ? 1 : 0);
-}
-constexpr int kGroups = 6;
+constexpr int kGroups = static_cast<int>(DtypePair::kCount);
 
 template <typename T>
 size_t round_up_bytes(size_t n) {
@@ -207,7 +202,7 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
                 static_cast<float*>(state_at(r.master)), r.numel, static_cast<int32_t>(i), 0};
     d.vectorized = aligned(d.param) && aligned(d.grad) && aligned(d.exp_avg) &&
                    aligned(d.exp_avg_sq) && aligned(d.max_exp_avg_sq) && aligned(d.master);
-    const int g = group_of(r);
+    const int g = static_cast<int>(dtype_pair(r));
     const int64_t chunk_count = (r.numel + kChunkElements - 1) / kChunkElements;
     TORCH_CHECK_VALUE(chunk_count <= std::numeric_limits<int32_t>::max(),
                       "fused_adam_packed: param ", i, " is too large");
@@ -246,9 +241,10 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   const AdamHyper hyper = make_adam_hyper(args);
-  auto launch = [&](auto param_tag, auto state_tag, int g) {
+  auto launch = [&](auto param_tag, auto state_tag, DtypePair pair) {
     using param_t = decltype(param_tag);
     using state_t = decltype(state_tag);
+    const int g = static_cast<int>(pair);
     if (chunks[g].empty()) return;
     packed_adam_kernel<param_t, state_t><<<chunks[g].size(), kThreads, 0, stream>>>(
         reinterpret_cast<const ParamDesc*>(table + desc_offset[g]),
@@ -256,11 +252,11 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
         grad_scale_ptr, found_inf_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  launch(float{}, float{}, 0);
-  launch(c10::BFloat16{}, c10::BFloat16{}, 2);
-  launch(c10::BFloat16{}, float{}, 3);
-  launch(c10::Half{}, c10::Half{}, 4);
-  launch(c10::Half{}, float{}, 5);
+  launch(float{}, float{}, DtypePair::kFloat);
+  launch(c10::BFloat16{}, c10::BFloat16{}, DtypePair::kBFloat16);
+  launch(c10::BFloat16{}, float{}, DtypePair::kBFloat16FloatState);
+  launch(c10::Half{}, c10::Half{}, DtypePair::kHalf);
+  launch(c10::Half{}, float{}, DtypePair::kHalfFloatState);
 }
 
 }  // namespace
