@@ -56,7 +56,7 @@ def _extension():
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCH_LIST)
     macros.append(("SWAP_OPTIMIZER_WITH_CUDA", None))
     nvcc_flags = ["-O3", "--fmad=false", "-lineinfo"]
-    sources += _sources("csrc/kernels/cuda/*.cu") + _sources("csrc/runtime/cuda/*.cu")
+    sources += _sources("csrc/kernels/cuda/*.cu") + _sources("csrc/runtime/cuda/*.cpp")
     return cpp_extension.CUDAExtension(
         "swap_optimizer._C",
         sources,

@@ -2,9 +2,12 @@
 small device staging arenas during step()."""
 
 from . import _C
+from .config import STATE_KEYS, SwapOptimizerConfig
 from .ops import LAYOUT_COLUMNS, fused_adam_packed, plan_packed_layout
+from .optimizer import SwapOptimizer
 
-__all__ = ["built_with_cuda", "fused_adam_packed", "plan_packed_layout", "LAYOUT_COLUMNS"]
+__all__ = ["SwapOptimizer", "SwapOptimizerConfig", "STATE_KEYS", "built_with_cuda", "fused_adam_packed",
+           "plan_packed_layout", "LAYOUT_COLUMNS"]
 
 
 def built_with_cuda() -> bool:

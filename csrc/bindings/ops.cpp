@@ -1,6 +1,8 @@
 // Operator schemas (defined once, here) and the Python module swap_optimizer._C.
+// The runtime's bindings live in runtime_bindings.cpp.
 // Backend implementations register themselves in csrc/kernels/{cpu,cuda}.
 #include "../kernels/op_registry.h"
+#include "runtime_bindings.h"
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -24,4 +26,5 @@ PYBIND11_MODULE(_C, module) {
   module.doc() = "swap_optimizer native extension: fused packed AdamW kernels and runtime";
   module.def("built_with_cuda", [] { return kBuiltWithCuda; },
              "True when the CUDA kernels were compiled into this build.");
+  swap_optimizer::bind_runtime(module);
 }

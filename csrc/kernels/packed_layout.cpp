@@ -43,18 +43,6 @@ void check_region(int64_t index, const char* what, int64_t offset, int64_t numel
   }
 }
 
-void check_scalar_tensor(const std::optional<at::Tensor>& tensor, const char* name,
-                         const at::Device& device) {
-  if (!tensor.has_value()) return;
-  TORCH_CHECK_VALUE(tensor->scalar_type() == c10::kFloat && tensor->numel() == 1,
-                    "fused_adam_packed: ", name,
-                    " must be a float32 tensor with one element, got dtype ",
-                    tensor->scalar_type(), " and ", tensor->numel(), " elements");
-  TORCH_CHECK_VALUE(tensor->device() == device, "fused_adam_packed: ", name, " is on ",
-                    tensor->device(), " but the params are on ", device,
-                    "; move it with .to(", device, ")");
-}
-
 }  // namespace
 
 std::vector<ParamRegions> validate_packed_update(
@@ -84,13 +72,7 @@ std::vector<ParamRegions> validate_packed_update(
   TORCH_CHECK_VALUE(!state_dtype.has_value() || is_supported_float(*state_dtype),
                     "fused_adam_packed: state_dtype must be float32, bfloat16 or float16, got ",
                     *state_dtype);
-  TORCH_CHECK_VALUE(args.lr >= 0.0 && args.eps >= 0.0 && args.weight_decay >= 0.0 &&
-                        args.beta1 >= 0.0 && args.beta1 < 1.0 && args.beta2 >= 0.0 &&
-                        args.beta2 < 1.0,
-                    "fused_adam_packed: need lr >= 0, eps >= 0, weight_decay >= 0 and "
-                    "0 <= beta1, beta2 < 1; got lr=", args.lr, " eps=", args.eps,
-                    " weight_decay=", args.weight_decay, " betas=(", args.beta1, ", ",
-                    args.beta2, ")");
+  check_update_args(args);
 
   const at::Device device = arena.device();
   TORCH_CHECK_VALUE(steps.device() == device && steps.scalar_type() == c10::kFloat &&
@@ -98,8 +80,8 @@ std::vector<ParamRegions> validate_packed_update(
                     "fused_adam_packed: steps must be a contiguous float32 tensor of ", count,
                     " elements on ", device, ", got ", steps.scalar_type(), " with ",
                     steps.numel(), " elements on ", steps.device());
-  check_scalar_tensor(grad_scale, "grad_scale", device);
-  check_scalar_tensor(found_inf, "found_inf", device);
+  check_amp_scalar(grad_scale, "grad_scale", device);
+  check_amp_scalar(found_inf, "found_inf", device);
 
   const int64_t arena_nbytes = arena.numel();
   const int64_t* rows = layout.const_data_ptr<int64_t>();
@@ -181,6 +163,28 @@ std::vector<ParamRegions> validate_packed_update(
                       "); every state needs its own region of the arena");
   }
   return regions;
+}
+
+void check_update_args(const PackedUpdateArgs& args) {
+  TORCH_CHECK_VALUE(args.lr >= 0.0 && args.eps >= 0.0 && args.weight_decay >= 0.0 &&
+                        args.beta1 >= 0.0 && args.beta1 < 1.0 && args.beta2 >= 0.0 &&
+                        args.beta2 < 1.0,
+                    "fused_adam_packed: need lr >= 0, eps >= 0, weight_decay >= 0 and "
+                    "0 <= beta1, beta2 < 1; got lr=", args.lr, " eps=", args.eps,
+                    " weight_decay=", args.weight_decay, " betas=(", args.beta1, ", ",
+                    args.beta2, ")");
+}
+
+void check_amp_scalar(const std::optional<at::Tensor>& tensor, const char* name,
+                      const at::Device& device) {
+  if (!tensor.has_value()) return;
+  TORCH_CHECK_VALUE(tensor->scalar_type() == c10::kFloat && tensor->numel() == 1,
+                    "fused_adam_packed: ", name,
+                    " must be a float32 tensor with one element, got dtype ",
+                    tensor->scalar_type(), " and ", tensor->numel(), " elements");
+  TORCH_CHECK_VALUE(tensor->device() == device, "fused_adam_packed: ", name, " is on ",
+                    tensor->device(), " but the params are on ", device,
+                    "; move it with .to(", device, ")");
 }
 
 DtypePair dtype_pair(const ParamRegions& regions) {

@@ -59,6 +59,14 @@ struct PackedUpdateArgs {
   bool decoupled_weight_decay;
 };
 
+// Checks the hyper-parameter ranges the op accepts.
+void check_update_args(const PackedUpdateArgs& args);
+
+// Checks an optional GradScaler tensor (grad_scale or found_inf): one float32
+// element on `device`.
+void check_amp_scalar(const std::optional<at::Tensor>& tensor, const char* name,
+                      const at::Device& device);
+
 // Validates every argument of the fused op and returns the regions of each
 // parameter. Throws c10::Error (ValueError/TypeError in Python) naming the
 // parameter index and the fix; nothing has been written when it throws.

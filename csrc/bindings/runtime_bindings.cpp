@@ -1,0 +1,156 @@
+#include "runtime_bindings.h"
+
+#include "../runtime/swap_runtime.h"
+
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+#include <tuple>
+
+namespace swap_optimizer {
+namespace {
+
+namespace py = pybind11;
+using runtime::FaultPoint;
+using runtime::KeyFlags;
+using runtime::RuntimeOptions;
+using runtime::SwapRuntime;
+
+// (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay)
+using GroupArgs = std::tuple<double, double, double, double, double, bool, bool, bool>;
+
+RuntimeOptions make_options(int64_t swap_times, int64_t num_arenas,
+                            std::optional<c10::ScalarType> state_dtype, bool master_weights,
+                            bool pin_memory, bool keep_arenas, const std::vector<bool>& swap_keys) {
+  TORCH_CHECK_VALUE(swap_keys.size() == runtime::kStateKeyCount,
+                    "swap_keys needs one flag per state key");
+  RuntimeOptions options;
+  options.swap_times = swap_times;
+  options.num_arenas = num_arenas;
+  options.state_dtype = state_dtype;
+  options.master_weights = master_weights;
+  options.pin_memory = pin_memory;
+  options.keep_arenas = keep_arenas;
+  std::copy(swap_keys.begin(), swap_keys.end(), options.swap_keys.begin());
+  return options;
+}
+
+FaultPoint parse_fault(const std::optional<std::string>& name) {
+  if (!name) return FaultPoint::kNone;
+  if (*name == "stage_in") return FaultPoint::kStageIn;
+  if (*name == "update") return FaultPoint::kUpdate;
+  if (*name == "interrupt") return FaultPoint::kInterrupt;
+  TORCH_CHECK_VALUE(false, "fault must be None, 'stage_in', 'update' or 'interrupt', got '", *name, "'");
+}
+
+}  // namespace
+
+void bind_runtime(py::module& module) {
+  py::class_<SwapRuntime>(module, "SwapRuntime",
+                          "Host store, staging arenas and packed pipeline of one SwapOptimizer.")
+      .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> group_of_param,
+                       const std::vector<bool>& group_amsgrad, const std::vector<bool>& swappable,
+                       int64_t swap_times, int64_t num_arenas,
+                       std::optional<c10::ScalarType> state_dtype, bool master_weights,
+                       bool pin_memory, bool keep_arenas, const std::vector<bool>& swap_keys) {
+             return std::make_unique<SwapRuntime>(
+                 std::move(params), std::move(group_of_param), group_amsgrad, swappable,
+                 make_options(swap_times, num_arenas, state_dtype, master_weights, pin_memory,
+                              keep_arenas, swap_keys));
+           }),
+           py::arg("params"), py::arg("group_of_param"), py::arg("group_amsgrad"),
+           py::arg("swappable"), py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"),
+           py::arg("state_dtype"), py::arg("master_weights"), py::arg("pin_memory"),
+           py::arg("keep_arenas"), py::arg("swap_keys"))
+      .def("state_views",
+           [](const SwapRuntime& self, int64_t param) {
+             py::dict views;
+             for (auto& [name, tensor] : self.state_views(param)) views[py::str(name)] = tensor;
+             return views;
+           },
+           py::arg("param"))
+      .def("step",
+           [](SwapRuntime& self, const std::vector<std::optional<at::Tensor>>& grads,
+              const std::vector<GroupArgs>& groups, const std::optional<at::Tensor>& grad_scale,
+              const std::optional<at::Tensor>& found_inf) {
+             std::vector<PackedUpdateArgs> group_args;
+             for (const auto& [lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled] : groups) {
+               group_args.push_back({lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled});
+             }
+             // The batches run without the GIL; between batches it is taken back
+             // to let a pending Ctrl-C stop the step.
+             const std::function<void()> check_interrupt = [] {
+               py::gil_scoped_acquire gil;
+               if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+             };
+             py::gil_scoped_release no_gil;
+             self.step(grads, group_args, grad_scale, found_inf, check_interrupt);
+           },
+           py::arg("grads"), py::arg("groups"), py::arg("grad_scale") = py::none(),
+           py::arg("found_inf") = py::none())
+      .def("synchronize",
+           [](SwapRuntime& self) {
+             py::gil_scoped_release no_gil;
+             self.synchronize();
+           },
+           "Blocks until the host store holds the last step's results.")
+      .def("memory_stats",
+           [](const SwapRuntime& self) {
+             const runtime::MemoryStats s = self.memory_stats();
+             py::dict stats;
+             stats["host_state_bytes"] = s.host_state_bytes;
+             stats["pinned"] = s.pinned;
+             stats["staging_bytes"] = s.staging_bytes;
+             stats["peak_staging_bytes"] = s.peak_staging_bytes;
+             stats["resident_state_bytes"] = s.resident_state_bytes;
+             stats["h2d_bytes"] = s.h2d_bytes;
+             stats["d2h_bytes"] = s.d2h_bytes;
+             stats["batches"] = s.batches;
+             stats["num_arenas"] = s.num_arenas;
+             stats["unpinned_host_bytes"] = s.unpinned_host_bytes;
+             return stats;
+           })
+      .def("batch_plan",
+           [](const SwapRuntime& self) {
+             py::list batches;
+             for (const runtime::BatchPlan& b : self.plan().batches) {
+               py::dict batch;
+               batch["params"] = b.slots;
+               batch["resident"] = b.resident;
+               batch["host_bytes"] = b.host_bytes;
+               batch["arena_bytes"] = b.arena_bytes;
+               batches.append(batch);
+             }
+             return batches;
+           },
+           "The batches in pipeline order: param indices, host and arena bytes.")
+      .def("set_test_hooks",
+           [](SwapRuntime& self, int64_t copy_delay_us, uint64_t seed,
+              const std::optional<std::string>& fault, int64_t fault_batch) {
+             self.set_test_hooks({copy_delay_us, seed, parse_fault(fault), fault_batch});
+           },
+           py::arg("copy_delay_us") = 0, py::arg("seed") = 0, py::arg("fault") = py::none(),
+           py::arg("fault_batch") = -1,
+           "Test only: random copy delays (host backend) and one injected failure.");
+
+  module.def(
+      "smallest_swap_times_for_budget",
+      [](const std::vector<at::Tensor>& params, const std::vector<int64_t>& group_of_param,
+         const std::vector<bool>& group_amsgrad, const std::vector<bool>& swappable,
+         std::optional<c10::ScalarType> state_dtype, bool master_weights,
+         const std::vector<bool>& swap_keys, int64_t num_arenas, int64_t budget_bytes) {
+        const RuntimeOptions options =
+            make_options(1, num_arenas, state_dtype, master_weights, true, false, swap_keys);
+        int64_t smallest_possible = 0;
+        const int64_t swap_times = runtime::smallest_swap_times_for_budget(
+            runtime::make_slot_specs(params, group_of_param, group_amsgrad, swappable, options),
+            options.swap_keys, num_arenas, budget_bytes, &smallest_possible);
+        return std::make_tuple(swap_times, smallest_possible);
+      },
+      py::arg("params"), py::arg("group_of_param"), py::arg("group_amsgrad"), py::arg("swappable"),
+      py::kw_only(), py::arg("state_dtype"), py::arg("master_weights"), py::arg("swap_keys"),
+      py::arg("num_arenas"), py::arg("budget_bytes"),
+      "(swap_times, smallest staging bytes possible): swap_times is -1 when nothing fits.");
+}
+
+}  // namespace swap_optimizer

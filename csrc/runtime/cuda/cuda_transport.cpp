@@ -1,0 +1,98 @@
+#include "cuda_transport.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <vector>
+
+namespace swap_optimizer::runtime {
+namespace {
+
+class CudaTransport final : public Transport {
+ public:
+  CudaTransport(c10::DeviceIndex device, int slots, bool separate_copy_streams) : device_(device) {
+    const c10::cuda::CUDAGuard guard(device_);
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&to_device_, cudaStreamNonBlocking));
+    if (separate_copy_streams) {
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&to_host_, cudaStreamNonBlocking));
+    } else {
+      to_host_ = to_device_;
+    }
+    events_.resize(marker_count(slots));
+    for (cudaEvent_t& event : events_) {
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    }
+  }
+
+  ~CudaTransport() override {
+    const c10::cuda::CUDAGuard guard(device_);
+    drain();
+    for (cudaEvent_t event : events_) C10_CUDA_IGNORE_ERROR(cudaEventDestroy(event));
+    if (to_host_ != to_device_) C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(to_host_));
+    C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(to_device_));
+  }
+
+  void begin_step() override { compute_ = c10::cuda::getCurrentCUDAStream(device_).stream(); }
+
+  void copy_to_device(void* dst, const void* src, int64_t bytes) override {
+    C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, to_device_));
+  }
+
+  void copy_to_host(void* dst, const void* src, int64_t bytes) override {
+    C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, to_host_));
+  }
+
+  void record(Queue queue, int marker) override {
+    C10_CUDA_CHECK(cudaEventRecord(events_[marker], stream(queue)));
+  }
+
+  void wait(Queue queue, int marker) override {
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream(queue), events_[marker], 0));
+  }
+
+  void host_wait(int marker) override { C10_CUDA_CHECK(cudaEventSynchronize(events_[marker])); }
+
+  void drain() noexcept override {
+    C10_CUDA_IGNORE_ERROR(cudaStreamSynchronize(to_device_));
+    if (to_host_ != to_device_) C10_CUDA_IGNORE_ERROR(cudaStreamSynchronize(to_host_));
+    if (compute_ != nullptr) C10_CUDA_IGNORE_ERROR(cudaStreamSynchronize(compute_));
+  }
+
+ private:
+  cudaStream_t stream(Queue queue) const {
+    switch (queue) {
+      case Queue::kHostToDevice: return to_device_;
+      case Queue::kDeviceToHost: return to_host_;
+      case Queue::kCompute: break;
+    }
+    return compute_;
+  }
+
+  c10::DeviceIndex device_;
+  cudaStream_t to_device_ = nullptr;
+  cudaStream_t to_host_ = nullptr;
+  cudaStream_t compute_ = nullptr;
+  std::vector<cudaEvent_t> events_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_cuda_transport(c10::DeviceIndex device, int slots,
+                                               bool separate_copy_streams) {
+  return std::make_unique<CudaTransport>(device, slots, separate_copy_streams);
+}
+
+void* allocate_pinned(int64_t bytes) {
+  void* pointer = nullptr;
+  if (cudaHostAlloc(&pointer, static_cast<size_t>(bytes), cudaHostAllocDefault) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the error: the caller falls back to pageable memory
+    return nullptr;
+  }
+  return pointer;
+}
+
+void free_pinned(void* pointer) noexcept { C10_CUDA_IGNORE_ERROR(cudaFreeHost(pointer)); }
+
+}  // namespace swap_optimizer::runtime

@@ -1,0 +1,22 @@
+// The CUDA backend of the pipeline: two copy streams (or one, chained, for two
+// arenas) and the events, created once per runtime; pinned host slabs.
+#pragma once
+
+#include "../pipeline.h"
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+
+namespace swap_optimizer::runtime {
+
+std::unique_ptr<Transport> make_cuda_transport(c10::DeviceIndex device, int slots,
+                                               bool separate_copy_streams);
+
+// Page-locked host memory of exactly `bytes`, or nullptr (with the CUDA error
+// cleared) when the driver refuses it.
+void* allocate_pinned(int64_t bytes);
+void free_pinned(void* pointer) noexcept;
+
+}  // namespace swap_optimizer::runtime

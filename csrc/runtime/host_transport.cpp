@@ -1,0 +1,129 @@
+#include "host_transport.h"
+
+#include <chrono>
+#include <cstring>
+
+namespace swap_optimizer::runtime {
+
+WorkerQueue::WorkerQueue() : worker_([this] { run(); }) {}
+
+WorkerQueue::~WorkerQueue() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  task_ready_.notify_all();
+  worker_.join();
+}
+
+uint64_t WorkerQueue::submit(std::function<void()> task) {
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tasks_.push_back(std::move(task));
+    ticket = ++submitted_;
+  }
+  task_ready_.notify_one();
+  return ticket;
+}
+
+uint64_t WorkerQueue::submitted() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return submitted_;
+}
+
+void WorkerQueue::wait_for(uint64_t ticket) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  task_done_.wait(lock, [&] { return completed_ >= ticket; });
+}
+
+void WorkerQueue::run() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    task_ready_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+    if (tasks_.empty()) return;  // stopping, and everything submitted has run
+    std::function<void()> task = std::move(tasks_.front());
+    tasks_.pop_front();
+    lock.unlock();
+    task();
+    lock.lock();
+    ++completed_;
+    task_done_.notify_all();
+  }
+}
+
+HostTransport::HostTransport(int slots, bool separate_copy_queues)
+    : to_device_(std::make_unique<WorkerQueue>()),
+      to_host_owned_(separate_copy_queues ? std::make_unique<WorkerQueue>() : nullptr),
+      to_host_(separate_copy_queues ? to_host_owned_.get() : to_device_.get()),
+      markers_(marker_count(slots)) {}
+
+HostTransport::~HostTransport() { drain(); }
+
+void HostTransport::set_copy_delay(int64_t max_microseconds, uint64_t seed) {
+  drain();  // no task in flight reads the old hook
+  to_device_random_.seed(seed);
+  to_host_random_.seed(seed ^ 0x9e3779b97f4a7c15ULL);
+  if (max_microseconds <= 0) {
+    delay_.reset();
+    return;
+  }
+  delay_ = std::make_shared<std::function<void(std::mt19937_64&)>>([max_microseconds](std::mt19937_64& random) {
+    std::uniform_int_distribution<int64_t> pick(0, max_microseconds);
+    std::this_thread::sleep_for(std::chrono::microseconds(pick(random)));
+  });
+}
+
+WorkerQueue* HostTransport::worker(Queue queue) {
+  switch (queue) {
+    case Queue::kHostToDevice: return to_device_.get();
+    case Queue::kDeviceToHost: return to_host_;
+    case Queue::kCompute: break;
+  }
+  return nullptr;
+}
+
+void HostTransport::submit_copy(WorkerQueue* queue, void* dst, const void* src, int64_t bytes) {
+  std::mt19937_64* random = queue == to_device_.get() ? &to_device_random_ : &to_host_random_;
+  queue->submit([delay = delay_, random, dst, src, bytes] {
+    if (delay) (*delay)(*random);
+    std::memcpy(dst, src, static_cast<size_t>(bytes));
+  });
+}
+
+void HostTransport::copy_to_device(void* dst, const void* src, int64_t bytes) {
+  submit_copy(to_device_.get(), dst, src, bytes);
+}
+
+void HostTransport::copy_to_host(void* dst, const void* src, int64_t bytes) {
+  submit_copy(to_host_, dst, src, bytes);
+}
+
+void HostTransport::record(Queue queue, int marker) {
+  WorkerQueue* target = worker(queue);
+  markers_[marker] = Point{target, target ? target->submitted() : 0};
+}
+
+void HostTransport::wait(Queue queue, int marker) {
+  const Point point = markers_[marker];
+  if (point.queue == nullptr) return;  // compute work has already run
+  WorkerQueue* target = worker(queue);
+  if (target == nullptr) {
+    point.queue->wait_for(point.ticket);  // compute runs on this thread: block it
+  } else if (target != point.queue) {
+    target->submit([point] { point.queue->wait_for(point.ticket); });
+  }
+  // Same queue: FIFO order already puts the marked work first.
+}
+
+void HostTransport::host_wait(int marker) {
+  const Point point = markers_[marker];
+  if (point.queue != nullptr) point.queue->wait_for(point.ticket);
+}
+
+void HostTransport::drain() noexcept {
+  to_device_->wait_for(to_device_->submitted());
+  to_host_->wait_for(to_host_->submitted());
+}
+
+}  // namespace swap_optimizer::runtime

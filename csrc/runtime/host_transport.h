@@ -1,0 +1,81 @@
+// The host backend's transport: the compute queue is the calling thread, and
+// each copy queue is a worker thread that runs memcpys in order, so the CPU
+// tests drive the same pipeline code as CUDA. Plain C++ (no torch).
+#pragma once
+
+#include "pipeline.h"
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+namespace swap_optimizer::runtime {
+
+// A FIFO of tasks run by one worker thread. Tickets count submitted tasks:
+// wait_for(t) returns once the first t tasks have finished.
+class WorkerQueue {
+ public:
+  WorkerQueue();
+  ~WorkerQueue();
+  WorkerQueue(const WorkerQueue&) = delete;
+  WorkerQueue& operator=(const WorkerQueue&) = delete;
+
+  uint64_t submit(std::function<void()> task);
+  uint64_t submitted() const;
+  void wait_for(uint64_t ticket);
+
+ private:
+  void run();
+
+  mutable std::mutex mutex_;
+  std::condition_variable task_ready_;
+  std::condition_variable task_done_;
+  std::deque<std::function<void()>> tasks_;
+  uint64_t submitted_ = 0;
+  uint64_t completed_ = 0;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+class HostTransport final : public Transport {
+ public:
+  // separate_copy_queues: copies in and out on two workers (both directions at
+  // once) rather than one chained worker.
+  HostTransport(int slots, bool separate_copy_queues);
+  ~HostTransport() override;
+
+  // Test hook: each copy first sleeps a random 0..max_microseconds, to expose
+  // missing waits. 0 turns it off.
+  void set_copy_delay(int64_t max_microseconds, uint64_t seed);
+
+  void begin_step() override {}
+  void copy_to_device(void* dst, const void* src, int64_t bytes) override;
+  void copy_to_host(void* dst, const void* src, int64_t bytes) override;
+  void record(Queue queue, int marker) override;
+  void wait(Queue queue, int marker) override;
+  void host_wait(int marker) override;
+  void drain() noexcept override;
+
+ private:
+  struct Point {
+    WorkerQueue* queue = nullptr;  // null: recorded on the compute queue, already reached
+    uint64_t ticket = 0;
+  };
+  WorkerQueue* worker(Queue queue);
+  void submit_copy(WorkerQueue* queue, void* dst, const void* src, int64_t bytes);
+
+  std::unique_ptr<WorkerQueue> to_device_;
+  std::unique_ptr<WorkerQueue> to_host_owned_;  // null when one worker does both directions
+  WorkerQueue* to_host_;
+  std::vector<Point> markers_;
+  std::shared_ptr<std::function<void(std::mt19937_64&)>> delay_;
+  std::mt19937_64 to_device_random_, to_host_random_;  // each touched by its own worker only
+};
+
+}  // namespace swap_optimizer::runtime

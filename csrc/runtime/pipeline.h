@@ -1,0 +1,58 @@
+// The packed swap pipeline: the order in which batches are copied in, updated
+// and copied out through a few rotating staging arenas, written once for every
+// backend. Plain C++ (no torch).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace swap_optimizer::runtime {
+
+// Ordered work queues: CUDA streams, or on the host backend the calling thread
+// (compute) and worker threads (copies). The two copy queues may be one queue.
+enum class Queue : int { kCompute = 0, kHostToDevice = 1, kDeviceToHost = 2 };
+
+// Completion markers: CUDA events, or completion counts of the worker queues.
+// Two for the step itself, then three for each arena slot.
+enum class Marker : int { kStaged = 0, kUpdated = 1, kUnstaged = 2 };
+constexpr int kStepBeginMarker = 0;
+constexpr int kStepEndMarker = 1;
+constexpr int marker_count(int slots) { return 2 + 3 * slots; }
+constexpr int slot_marker(Marker marker, int slot) { return 2 + 3 * slot + static_cast<int>(marker); }
+
+// What a backend provides. wait(queue, marker) makes `queue` wait for the work
+// that preceded the most recent record(…, marker); it does not block the host
+// unless `queue` is the compute queue of a backend whose compute runs inline.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual void begin_step() = 0;
+  virtual void copy_to_device(void* dst, const void* src, int64_t bytes) = 0;  // on kHostToDevice
+  virtual void copy_to_host(void* dst, const void* src, int64_t bytes) = 0;    // on kDeviceToHost
+  virtual void record(Queue queue, int marker) = 0;
+  virtual void wait(Queue queue, int marker) = 0;
+  virtual void host_wait(int marker) = 0;  // blocks the calling thread
+  virtual void drain() noexcept = 0;       // blocks until everything enqueued has run
+};
+
+// The per-batch work of one step, supplied by the runtime.
+class BatchWork {
+ public:
+  virtual ~BatchWork() = default;
+  virtual void stage_in(int64_t batch, int slot) = 0;   // enqueue the host region's copy in
+  virtual void update(int64_t batch, int slot) = 0;     // enqueue the fused update on compute
+  virtual void stage_out(int64_t batch, int slot) = 0;  // enqueue the copy back to the host
+  virtual void between_batches(int64_t next_batch) = 0; // may throw to stop the step (interrupt)
+};
+
+// Runs one step over batches 0..n-1, batch b in arena slot slot_of_batch[b].
+// A slot is reused only after the copy out of its previous batch has finished;
+// staging runs ahead as far as free slots allow. At the end the compute queue
+// waits for every copy out, so arenas can be released in stream order.
+//
+// If anything throws, every batch updated so far is copied out, the transport
+// is drained (the host store then holds each batch wholly old or wholly new)
+// and the exception is rethrown.
+void run_pipeline(Transport& transport, BatchWork& work, const std::vector<int>& slot_of_batch);
+
+}  // namespace swap_optimizer::runtime

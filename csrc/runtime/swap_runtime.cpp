@@ -1,0 +1,465 @@
+#include "swap_runtime.h"
+
+#include "../kernels/op_registry.h"
+#include "host_transport.h"
+#ifdef SWAP_OPTIMIZER_WITH_CUDA
+#include "cuda/cuda_transport.h"
+#endif
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+
+namespace swap_optimizer::runtime {
+namespace {
+
+using FusedAdamPackedFn =
+    void(at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+         double, double, double, double, double, bool, bool, bool, std::optional<c10::ScalarType>,
+         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+
+const c10::TypedOperatorHandle<FusedAdamPackedFn>& fused_adam_packed_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("swap_optimizer::fused_adam_packed", "")
+                             .typed<FusedAdamPackedFn>();
+  return op;
+}
+
+constexpr const char* kStateNames[kStateKeyCount] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+                                                     "master_param"};
+
+c10::ScalarType state_dtype_of(const RuntimeOptions& options, c10::ScalarType param_dtype) {
+  return options.state_dtype.value_or(param_dtype);
+}
+
+void* allocate_pageable(int64_t bytes) {
+  void* pointer = nullptr;
+  // Page-aligned, like pinned memory, and exactly `bytes` long.
+  if (posix_memalign(&pointer, 4096, static_cast<size_t>(std::max<int64_t>(bytes, 1))) != 0) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "SwapOptimizer: could not allocate ", bytes,
+                     " bytes of host memory for the optimizer state");
+  }
+  return pointer;
+}
+
+}  // namespace
+
+std::vector<SlotSpec> make_slot_specs(const std::vector<at::Tensor>& params,
+                                      const std::vector<int64_t>& group_of_param,
+                                      const std::vector<bool>& group_amsgrad,
+                                      const std::vector<bool>& swappable,
+                                      const RuntimeOptions& options) {
+  TORCH_CHECK_VALUE(group_of_param.size() == params.size() && swappable.size() == params.size(),
+                    "SwapRuntime: one group index and one swappable flag per param");
+  std::vector<SlotSpec> specs;
+  specs.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& param = params[i];
+    const int64_t group = group_of_param[i];
+    TORCH_CHECK_VALUE(group >= 0 && group < static_cast<int64_t>(group_amsgrad.size()),
+                      "SwapRuntime: param ", i, " names group ", group, " of ",
+                      group_amsgrad.size());
+    const c10::ScalarType dtype = param.scalar_type();
+    TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                     "SwapOptimizer: param ", i, " has dtype ", dtype,
+                     "; supported are float32, bfloat16 and float16");
+    specs.push_back({param.numel(), static_cast<int64_t>(c10::elementSize(state_dtype_of(options, dtype))),
+                     static_cast<bool>(group_amsgrad[group]),
+                     options.master_weights && dtype != at::kFloat, static_cast<bool>(swappable[i])});
+  }
+  return specs;
+}
+
+int64_t smallest_swap_times_for_budget(const std::vector<SlotSpec>& specs, const KeyFlags& swap_keys,
+                                       int64_t num_arenas, int64_t budget_bytes,
+                                       int64_t* smallest_possible_bytes) {
+  const int64_t swappable = std::count_if(specs.begin(), specs.end(),
+                                          [](const SlotSpec& s) { return s.swappable; });
+  auto staging_bytes = [&](int64_t swap_times) {
+    const StorePlan plan = plan_store(specs, swap_keys, swap_times);
+    return std::min(num_arenas, plan.rotating_batches) * plan.staging_arena_bytes;
+  };
+  const int64_t most = std::max<int64_t>(swappable, 1);
+  *smallest_possible_bytes = staging_bytes(most);
+  // Below num_arenas batches every extra batch adds an arena: try each count.
+  for (int64_t k = 1; k <= std::min(num_arenas, most); ++k) {
+    if (staging_bytes(k) <= budget_bytes) return k;
+  }
+  if (staging_bytes(most) > budget_bytes) return -1;
+  // From num_arenas batches on the arena count is fixed and the largest batch
+  // only shrinks as batches are added: bisect.
+  int64_t low = std::min(num_arenas, most) + 1, high = most;
+  while (low < high) {
+    const int64_t mid = low + (high - low) / 2;
+    if (staging_bytes(mid) <= budget_bytes) high = mid; else low = mid + 1;
+  }
+  return low;
+}
+
+class SwapRuntime::Step final : public BatchWork {
+ public:
+  Step(SwapRuntime& runtime, std::vector<at::Tensor> grads, const std::vector<PackedUpdateArgs>& group_args,
+       const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+       const std::function<void()>& check_interrupt)
+      : runtime_(runtime), grads_(std::move(grads)), group_args_(group_args), grad_scale_(grad_scale),
+        found_inf_(found_inf), check_interrupt_(check_interrupt) {}
+
+  void stage_in(int64_t batch, int slot) override {
+    inject(FaultPoint::kStageIn, batch, "copy in");
+    const BatchPlan& plan = runtime_.plan_.batches[batch];
+    runtime_.transport_->copy_to_device(runtime_.arena_for(batch, slot).data_ptr(),
+                                        runtime_.host_slabs_[batch].data_ptr(), plan.host_bytes);
+  }
+
+  void stage_out(int64_t batch, int slot) override {
+    const BatchPlan& plan = runtime_.plan_.batches[batch];
+    runtime_.transport_->copy_to_host(runtime_.host_slabs_[batch].data_ptr(),
+                                      runtime_.arena_for(batch, slot).data_ptr(), plan.host_bytes);
+  }
+
+  void between_batches(int64_t next_batch) override {
+    if (runtime_.hooks_.fault == FaultPoint::kInterrupt && runtime_.hooks_.fault_batch == next_batch) {
+      std::raise(SIGINT);  // delivered to Python by check_interrupt, like a real Ctrl-C
+    }
+    if (check_interrupt_) check_interrupt_();
+  }
+
+  void update(int64_t batch, int slot) override {
+    inject(FaultPoint::kUpdate, batch, "update");
+    const BatchPlan& plan = runtime_.plan_.batches[batch];
+    const at::Tensor arena = runtime_.arena_for(batch, slot);
+    // States kept on the device join the arena for the update and go back after it.
+    const int64_t resident_part = plan.arena_bytes - plan.resident_begin;
+    at::Tensor resident_in_arena, resident_home;
+    if (!plan.resident && resident_part > 0) {
+      resident_in_arena = arena.narrow(0, plan.resident_begin, resident_part);
+      resident_home = runtime_.resident_store_.narrow(0, plan.resident_offset, resident_part);
+      resident_in_arena.copy_(resident_home);
+    }
+    try {
+      update_params(batch, arena);
+    } catch (...) {
+      if (resident_home.defined()) resident_home.copy_(resident_in_arena);
+      throw;
+    }
+    if (resident_home.defined()) resident_home.copy_(resident_in_arena);
+  }
+
+ private:
+  void inject(FaultPoint point, int64_t batch, const char* what) const {
+    const TestHooks& hooks = runtime_.hooks_;
+    TORCH_CHECK(!(hooks.fault == point && hooks.fault_batch == batch),
+                "SwapOptimizer: injected test fault at the ", what, " of batch ", batch);
+  }
+
+  // One op call per run of consecutive params of one group that have grads.
+  void update_params(int64_t batch, const at::Tensor& arena) {
+    const BatchPlan& plan = runtime_.plan_.batches[batch];
+    const int64_t count = static_cast<int64_t>(plan.slots.size());
+    const at::Tensor steps = arena.narrow(0, 0, count * kStepBytes).view(at::kFloat);
+    const at::Tensor states = arena.narrow(0, plan.steps_bytes, plan.arena_bytes - plan.steps_bytes);
+    const at::Tensor& layout = runtime_.layouts_[batch];
+    int64_t begin = 0;
+    while (begin < count) {
+      const int64_t first = plan.slots[begin];
+      if (!grads_[first].defined()) {
+        ++begin;
+        continue;
+      }
+      const int64_t group = runtime_.group_of_param_[first];
+      int64_t end = begin + 1;
+      while (end < count && grads_[plan.slots[end]].defined() &&
+             runtime_.group_of_param_[plan.slots[end]] == group) {
+        ++end;
+      }
+      call_op(plan, begin, end, states, layout.narrow(0, begin, end - begin),
+              steps.narrow(0, begin, end - begin), group_args_[group]);
+      begin = end;
+    }
+  }
+
+  void call_op(const BatchPlan& plan, int64_t begin, int64_t end, const at::Tensor& states,
+               const at::Tensor& layout, const at::Tensor& steps, const PackedUpdateArgs& args) {
+    std::vector<at::Tensor> params, grads;
+    std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (param, contiguous copy)
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t slot = plan.slots[k];
+      const at::Tensor& param = runtime_.params_[slot];
+      if (param.is_contiguous()) {
+        params.push_back(param);
+      } else {
+        // Only resident params can be strided: update a contiguous copy.
+        params.push_back(param.contiguous());
+        write_back.emplace_back(param, params.back());
+      }
+      grads.push_back(grads_[slot]);
+    }
+    fused_adam_packed_op().call(params, grads, states, layout, steps, args.lr, args.beta1,
+                                args.beta2, args.eps, args.weight_decay, args.amsgrad,
+                                args.maximize, args.decoupled_weight_decay,
+                                runtime_.options_.state_dtype, grad_scale_, found_inf_);
+    for (auto& [param, updated] : write_back) param.copy_(updated);
+  }
+
+  SwapRuntime& runtime_;
+  std::vector<at::Tensor> grads_;
+  const std::vector<PackedUpdateArgs>& group_args_;
+  const std::optional<at::Tensor>& grad_scale_;
+  const std::optional<at::Tensor>& found_inf_;
+  const std::function<void()>& check_interrupt_;
+};
+
+SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> group_of_param,
+                         const std::vector<bool>& group_amsgrad, const std::vector<bool>& swappable,
+                         const RuntimeOptions& options)
+    : params_(std::move(params)),
+      group_of_param_(std::move(group_of_param)),
+      group_amsgrad_(group_amsgrad),
+      device_(at::kCPU),
+      options_(options) {
+  TORCH_CHECK_VALUE(!params_.empty(), "SwapOptimizer: the optimizer has no params");
+  TORCH_CHECK_VALUE(options_.swap_times >= 1, "SwapOptimizer: swap_times must be >= 1, got ",
+                    options_.swap_times);
+  TORCH_CHECK_VALUE(options_.num_arenas >= 2, "SwapOptimizer: num_arenas must be >= 2, got ",
+                    options_.num_arenas);
+  device_ = params_.front().device();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK_VALUE(params_[i].device() == device_, "SwapOptimizer: param ", i, " is on ",
+                      params_[i].device(), " but param 0 is on ", device_,
+                      "; all params must be on one device");
+    param_dtype_.push_back(params_[i].scalar_type());
+    param_shape_.push_back(params_[i].sizes().vec());
+  }
+  TORCH_CHECK_VALUE(device_.is_cpu() || device_.is_cuda(), "SwapOptimizer: params on ", device_,
+                    " are not supported; use CPU or CUDA tensors");
+#ifndef SWAP_OPTIMIZER_WITH_CUDA
+  TORCH_CHECK_VALUE(device_.is_cpu(), "SwapOptimizer: params are on ", device_,
+                    " but swap_optimizer was built without CUDA; reinstall it with a CUDA build of "
+                    "torch and nvcc available (pip install --no-build-isolation .)");
+#endif
+
+  plan_ = plan_store(make_slot_specs(params_, group_of_param_, group_amsgrad_, swappable, options_),
+                     options_.swap_keys, options_.swap_times);
+
+  // Host slabs: one exact-size allocation per batch.
+  pinned_ = device_.is_cuda() && options_.pin_memory;
+  for (const BatchPlan& batch : plan_.batches) host_slabs_.push_back(allocate_host_slab(batch.host_bytes));
+  if (plan_.resident_store_bytes > 0) {
+    resident_store_ = at::zeros({plan_.resident_store_bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
+  }
+
+  // The op's layout tables, offsets counted from the end of the step table.
+  for (const BatchPlan& batch : plan_.batches) {
+    const int64_t count = static_cast<int64_t>(batch.slots.size());
+    at::Tensor layout = at::empty({count, kLayoutColumns}, at::TensorOptions().dtype(at::kLong));
+    int64_t* rows = layout.data_ptr<int64_t>();
+    for (int64_t k = 0; k < count; ++k) {
+      const SlotPlacement& slot = plan_.slots[batch.slots[k]];
+      const int64_t columns[kStateKeyCount] = {kExpAvgOffset, kExpAvgSqOffset, kMaxExpAvgSqOffset, kMasterOffset};
+      for (int key = 0; key < kStateKeyCount; ++key) {
+        const int64_t offset = slot.arena_offset[key];
+        rows[k * kLayoutColumns + columns[key]] = offset == kNoOffset ? kAbsent : offset - batch.steps_bytes;
+      }
+      rows[k * kLayoutColumns + kNumel] = params_[batch.slots[k]].numel();
+    }
+    layouts_.push_back(layout);
+  }
+
+  arena_count_ = static_cast<int>(std::min(options_.num_arenas, plan_.rotating_batches));
+  // One marker slot per arena plus one for the resident batch; copies in and
+  // out get their own queues once there are three arenas to rotate.
+  const bool separate_copy_queues = arena_count_ >= 3;
+  if (device_.is_cuda()) {
+#ifdef SWAP_OPTIMIZER_WITH_CUDA
+    transport_ = make_cuda_transport(device_.index(), arena_count_ + 1, separate_copy_queues);
+#endif
+  } else {
+    transport_ = std::make_unique<HostTransport>(arena_count_ + 1, separate_copy_queues);
+  }
+}
+
+SwapRuntime::~SwapRuntime() {
+  if (transport_) transport_->drain();
+}
+
+at::Tensor SwapRuntime::allocate_host_slab(int64_t bytes) {
+  void* pointer = nullptr;
+  bool pinned = false;
+#ifdef SWAP_OPTIMIZER_WITH_CUDA
+  if (device_.is_cuda() && options_.pin_memory) {
+    pointer = allocate_pinned(bytes);
+    pinned = pointer != nullptr;
+    if (!pinned) unpinned_bytes_ += bytes;
+  }
+#endif
+  if (!pinned) {
+    pinned_ = false;
+    pointer = allocate_pageable(bytes);
+  }
+  std::memset(pointer, 0, static_cast<size_t>(bytes));
+  auto release = [pinned](void* p) {
+#ifdef SWAP_OPTIMIZER_WITH_CUDA
+    if (pinned) return free_pinned(p);
+#endif
+    std::free(p);
+  };
+  // The slab lives as long as any view of it (a state_dict kept after the optimizer, say).
+  return at::from_blob(pointer, {bytes}, release, at::TensorOptions().dtype(at::kByte));
+}
+
+at::Tensor SwapRuntime::arena_for(int64_t batch, int slot) const {
+  const BatchPlan& plan = plan_.batches[batch];
+  if (plan.resident) return resident_store_.narrow(0, plan.resident_offset, plan.arena_bytes);
+  return arenas_[slot].narrow(0, 0, plan.arena_bytes);
+}
+
+void SwapRuntime::allocate_arenas() {
+  if (!arenas_.empty() || arena_count_ == 0) return;
+  const int64_t bytes = plan_.staging_arena_bytes;
+  try {
+    for (int i = 0; i < arena_count_; ++i) {
+      arenas_.push_back(at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_)));
+    }
+  } catch (const c10::OutOfMemoryError& error) {
+    arenas_.clear();
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "SwapOptimizer: no room on ", device_, " for ",
+                     arena_count_, " staging arenas of ", bytes, " bytes (", arena_count_ * bytes,
+                     " bytes in all); the optimizer state is unchanged. Use a larger swap_times "
+                     "(now ", options_.swap_times, "), num_arenas=2, or staging_budget_bytes to pick "
+                     "swap_times for you. ", error.what_without_backtrace());
+  }
+  stats_.staging_bytes = arena_count_ * bytes;
+  stats_.peak_staging_bytes = std::max(stats_.peak_staging_bytes, stats_.staging_bytes);
+}
+
+void SwapRuntime::release_arenas() {
+  arenas_.clear();
+  stats_.staging_bytes = 0;
+}
+
+void SwapRuntime::step(const std::vector<std::optional<at::Tensor>>& grads,
+                       const std::vector<PackedUpdateArgs>& group_args,
+                       const std::optional<at::Tensor>& grad_scale,
+                       const std::optional<at::Tensor>& found_inf,
+                       const std::function<void()>& check_interrupt) {
+  // Everything the op could reject is checked here, before any batch moves.
+  const size_t count = params_.size();
+  TORCH_CHECK_VALUE(grads.size() == count, "SwapOptimizer: ", grads.size(), " grads for ", count,
+                    " params");
+  TORCH_CHECK_VALUE(group_args.size() == group_amsgrad_.size(), "SwapOptimizer: hyper-parameters for ",
+                    group_args.size(), " param groups, but there are ", group_amsgrad_.size());
+  for (size_t g = 0; g < group_args.size(); ++g) {
+    TORCH_CHECK_VALUE(group_args[g].amsgrad == group_amsgrad_[g], "SwapOptimizer: param group ", g,
+                      " now has amsgrad=", group_args[g].amsgrad ? "True" : "False",
+                      " but its state was laid out with amsgrad=", group_amsgrad_[g] ? "True" : "False",
+                      "; amsgrad cannot change after wrapping: create a new SwapOptimizer and load "
+                      "the state dict into it");
+    check_update_args(group_args[g]);
+  }
+  check_amp_scalar(grad_scale, "grad_scale", device_);
+  check_amp_scalar(found_inf, "found_inf", device_);
+  std::vector<at::Tensor> ready(count);
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& param = params_[i];
+    TORCH_CHECK_VALUE(param.device() == device_ && param.scalar_type() == param_dtype_[i] &&
+                          param.sizes() == c10::IntArrayRef(param_shape_[i]),
+                      "SwapOptimizer: param ", i, " is now ", param.scalar_type(), " ",
+                      param.sizes(), " on ", param.device(), " but was ", param_dtype_[i], " ",
+                      c10::IntArrayRef(param_shape_[i]), " on ", device_,
+                      " when SwapOptimizer was created; create a new SwapOptimizer after moving or "
+                      "converting the model");
+    if (!grads[i].has_value() || !grads[i]->defined()) continue;
+    const at::Tensor& grad = *grads[i];
+    TORCH_CHECK_VALUE(grad.layout() == at::kStrided, "SwapOptimizer: param ", i,
+                      " has a sparse gradient; Adam/AdamW do not support sparse gradients (use "
+                      "torch.optim.SparseAdam for those params)");
+    TORCH_CHECK_TYPE(grad.scalar_type() == param.scalar_type(), "SwapOptimizer: param ", i, " is ",
+                     param.scalar_type(), " but its grad is ", grad.scalar_type(),
+                     "; grads must have the param's dtype");
+    TORCH_CHECK_VALUE(grad.device() == device_ && grad.sizes() == param.sizes(),
+                      "SwapOptimizer: param ", i, " is ", param.sizes(), " on ", device_,
+                      " but its grad is ", grad.sizes(), " on ", grad.device());
+    ready[i] = grad.contiguous();
+  }
+
+  const c10::OptionalDeviceGuard guard(device_.is_cuda() ? std::optional<c10::Device>(device_) : std::nullopt);
+  allocate_arenas();
+  std::vector<int> slot_of_batch;
+  int64_t rotating = 0;
+  for (const BatchPlan& batch : plan_.batches) {
+    slot_of_batch.push_back(batch.resident ? arena_count_ : static_cast<int>(rotating++ % arena_count_));
+  }
+  Step work(*this, std::move(ready), group_args, grad_scale, found_inf, check_interrupt);
+  try {
+    run_pipeline(*transport_, work, slot_of_batch);
+  } catch (...) {
+    release_arenas();  // the pipeline drained every queue before rethrowing
+    throw;
+  }
+  step_pending_ = true;
+  if (!options_.keep_arenas) release_arenas();  // in stream order: compute waited for every copy
+  stats_.h2d_bytes = stats_.d2h_bytes = plan_.host_bytes;
+}
+
+void SwapRuntime::synchronize() {
+  if (!step_pending_) return;
+  transport_->host_wait(kStepEndMarker);
+  step_pending_ = false;
+}
+
+MemoryStats SwapRuntime::memory_stats() const {
+  MemoryStats stats = stats_;
+  stats.host_state_bytes = plan_.host_bytes;
+  stats.pinned = pinned_;
+  stats.unpinned_host_bytes = unpinned_bytes_;
+  stats.resident_state_bytes = plan_.resident_store_bytes;
+  stats.batches = plan_.rotating_batches;
+  stats.num_arenas = arena_count_;
+  return stats;
+}
+
+void SwapRuntime::set_test_hooks(const TestHooks& hooks) {
+  hooks_ = hooks;
+  if (auto* host = dynamic_cast<HostTransport*>(transport_.get())) {
+    host->set_copy_delay(hooks.copy_delay_us, hooks.seed);
+  }
+}
+
+at::Tensor SwapRuntime::state_view(int64_t param, int key) const {
+  const SlotPlacement& slot = plan_.slots[param];
+  const BatchPlan& batch = plan_.batches[slot.batch];
+  const int64_t offset = slot.arena_offset[key];
+  if (offset == kNoOffset) return at::Tensor();
+  const c10::ScalarType dtype = key == kMaster ? at::kFloat : state_dtype_of(options_, param_dtype_[param]);
+  const int64_t bytes = params_[param].numel() * static_cast<int64_t>(c10::elementSize(dtype));
+  const at::Tensor& base = slot.swapped[key] ? host_slabs_[slot.batch] : resident_store_;
+  const int64_t at = slot.swapped[key] ? offset : batch.resident_offset + offset - batch.resident_begin;
+  return base.narrow(0, at, bytes).view(dtype).view(param_shape_[param]);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> SwapRuntime::state_views(int64_t param) const {
+  TORCH_CHECK_INDEX(param >= 0 && param < static_cast<int64_t>(params_.size()),
+                    "SwapRuntime: no param ", param);
+  const SlotPlacement& slot = plan_.slots[param];
+  std::vector<std::pair<std::string, at::Tensor>> views;
+  views.emplace_back("step", host_slabs_[slot.batch]
+                                 .narrow(0, slot.index_in_batch * kStepBytes, kStepBytes)
+                                 .view(at::kFloat)
+                                 .view(std::vector<int64_t>{}));
+  for (int key = 0; key < kStateKeyCount; ++key) {
+    at::Tensor view = state_view(param, key);
+    if (view.defined()) views.emplace_back(kStateNames[key], std::move(view));
+  }
+  return views;
+}
+
+}  // namespace swap_optimizer::runtime

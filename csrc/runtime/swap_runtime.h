@@ -1,0 +1,131 @@
+// The swap runtime of one SwapOptimizer: the host store (exact-size slabs, pinned
+// on CUDA), the resident store, the staging arenas and the transport, and the
+// step that runs the packed pipeline over them with the fused Adam op.
+#pragma once
+
+#include "../kernels/packed_layout.h"
+#include "pipeline.h"
+#include "store_plan.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace swap_optimizer::runtime {
+
+struct RuntimeOptions {
+  int64_t swap_times = 16;
+  int64_t num_arenas = 2;
+  std::optional<c10::ScalarType> state_dtype;  // none: the param's dtype
+  bool master_weights = false;                 // fp32 master copies of 16-bit params
+  bool pin_memory = true;
+  bool keep_arenas = false;
+  KeyFlags swap_keys{true, true, true, true};  // which states of swappable params go to the host
+};
+
+struct MemoryStats {
+  int64_t host_state_bytes = 0;
+  bool pinned = false;
+  int64_t staging_bytes = 0;
+  int64_t peak_staging_bytes = 0;
+  int64_t resident_state_bytes = 0;
+  int64_t h2d_bytes = 0;  // of the last step
+  int64_t d2h_bytes = 0;
+  int64_t batches = 0;    // batches through the staging arenas
+  int64_t num_arenas = 0; // arenas a step allocates
+  int64_t unpinned_host_bytes = 0;  // host store bytes that could not be pinned
+};
+
+// Test hooks: random copy delays (host backend) and one injected failure.
+enum class FaultPoint { kNone, kStageIn, kUpdate, kInterrupt };
+struct TestHooks {
+  int64_t copy_delay_us = 0;
+  uint64_t seed = 0;
+  FaultPoint fault = FaultPoint::kNone;
+  int64_t fault_batch = -1;  // index in pipeline order (the resident batch, if any, is 0)
+};
+
+// The layout inputs of each param (shared by the runtime and the budget search).
+std::vector<SlotSpec> make_slot_specs(const std::vector<at::Tensor>& params,
+                                      const std::vector<int64_t>& group_of_param,
+                                      const std::vector<bool>& group_amsgrad,
+                                      const std::vector<bool>& swappable,
+                                      const RuntimeOptions& options);
+
+// The smallest swap_times whose staging arenas (min(num_arenas, batches) times
+// the largest batch) fit in budget_bytes, or -1 when none does; then
+// *smallest_possible_bytes says what the finest split needs.
+int64_t smallest_swap_times_for_budget(const std::vector<SlotSpec>& specs, const KeyFlags& swap_keys,
+                                       int64_t num_arenas, int64_t budget_bytes,
+                                       int64_t* smallest_possible_bytes);
+
+class SwapRuntime {
+ public:
+  // params: every param in optimizer order; group_of_param: its param group;
+  // group_amsgrad: whether each group keeps max_exp_avg_sq; swappable: whether
+  // each param's states go through the host store (else they stay resident).
+  SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> group_of_param,
+              const std::vector<bool>& group_amsgrad, const std::vector<bool>& swappable,
+              const RuntimeOptions& options);
+  ~SwapRuntime();
+  SwapRuntime(const SwapRuntime&) = delete;
+  SwapRuntime& operator=(const SwapRuntime&) = delete;
+
+  // Views of one param's state in the stores, named as torch.optim names them:
+  // "step" (0-dim float32, host), "exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+  // "master_param". Swapped states are host tensors, resident ones device tensors.
+  std::vector<std::pair<std::string, at::Tensor>> state_views(int64_t param) const;
+
+  // One optimizer step. grads[i] is param i's grad or none (skipped, as torch
+  // skips it); group_args[g] are group g's hyper-parameters this step.
+  // check_interrupt runs between batches and may throw to stop the step.
+  void step(const std::vector<std::optional<at::Tensor>>& grads,
+            const std::vector<PackedUpdateArgs>& group_args,
+            const std::optional<at::Tensor>& grad_scale,
+            const std::optional<at::Tensor>& found_inf,
+            const std::function<void()>& check_interrupt);
+
+  // Blocks until the host store holds the last step's results.
+  void synchronize();
+
+  MemoryStats memory_stats() const;
+  const StorePlan& plan() const { return plan_; }
+  void set_test_hooks(const TestHooks& hooks);
+
+ private:
+  class Step;
+  friend class Step;
+
+  at::Tensor allocate_host_slab(int64_t bytes);
+  void allocate_arenas();
+  void release_arenas();
+  at::Tensor arena_for(int64_t batch, int slot) const;
+  at::Tensor state_view(int64_t param, int key) const;
+
+  std::vector<at::Tensor> params_;
+  std::vector<int64_t> group_of_param_;
+  std::vector<bool> group_amsgrad_;
+  std::vector<c10::ScalarType> param_dtype_;
+  std::vector<std::vector<int64_t>> param_shape_;
+  c10::Device device_;
+  RuntimeOptions options_;
+  StorePlan plan_;
+  std::vector<at::Tensor> layouts_;    // per batch: the op's layout table, rows in batch order
+  std::vector<at::Tensor> host_slabs_; // per batch: its host region
+  at::Tensor resident_store_;
+  std::vector<at::Tensor> arenas_;
+  int arena_count_ = 0;
+  std::unique_ptr<Transport> transport_;
+  bool pinned_ = false;
+  int64_t unpinned_bytes_ = 0;
+  bool step_pending_ = false;  // copies of the last step may still be landing in the host store
+  MemoryStats stats_;
+  TestHooks hooks_;
+};
+
+}  // namespace swap_optimizer::runtime

@@ -1,0 +1,313 @@
+"""SwapOptimizer: wraps torch.optim.Adam/AdamW and keeps their state in host
+memory, streamed through a few device staging arenas during step()."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from . import _C
+from .config import STATE_KEYS, SwapOptimizerConfig
+
+_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Flags that choose how torch runs the update, not what it computes: loading a
+# state dict keeps this optimizer's own.
+_EXECUTION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if isinstance(optimizer, SwapOptimizer):
+        raise TypeError("this optimizer is already a SwapOptimizer; wrap the torch.optim.AdamW itself")
+    if not isinstance(optimizer, torch.optim.Adam) or inspect.unwrap(type(optimizer).step) is not _ADAM_STEP:
+        raise TypeError(f"SwapOptimizer wraps torch.optim.Adam or AdamW (or subclasses that keep their "
+                        f"step), got {type(optimizer).__name__}")
+
+
+def _check_group_flags(group: dict, index: int) -> None:
+    for flag, fix in (("foreach", "foreach=None or False"), ("capturable", "capturable=False"),
+                      ("differentiable", "differentiable=False")):
+        if group.get(flag):
+            raise ValueError(f"SwapOptimizer: param group {index} has {flag}=True, which SwapOptimizer does not "
+                             f"support (it runs its own fused update); create the optimizer with {fix}")
+
+
+def _check_params(params: list[torch.Tensor], device: Optional[torch.device], first_index: int = 0) -> torch.device:
+    for offset, p in enumerate(params):
+        index = first_index + offset
+        if p.layout != torch.strided:
+            raise ValueError(f"SwapOptimizer: param {index} is sparse ({p.layout}); only dense params are supported")
+        if p.is_complex():
+            raise TypeError(f"SwapOptimizer: param {index} is complex ({p.dtype}); use torch.view_as_real "
+                            "on complex params or keep them in a separate optimizer")
+        if p.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"SwapOptimizer: param {index} has dtype {p.dtype}; supported are float32, "
+                            "bfloat16 and float16")
+        if device is None:
+            device = p.device
+        elif p.device != device:
+            raise ValueError(f"SwapOptimizer: param {index} is on {p.device} but earlier params are on {device}; "
+                             "all params must be on one device")
+    return device
+
+
+def _owns_storage(p: torch.Tensor) -> bool:
+    return p.storage_offset() == 0 and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+
+
+def _as_step_value(value: Any, where: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{where}: 'step' must hold one number, got shape {tuple(value.shape)}")
+        return float(value.item())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"{where}: 'step' must be a number or a one-element tensor, got {type(value).__name__}")
+
+
+class SwapOptimizer(torch.optim.Optimizer):
+    """Adam/AdamW whose state lives in host memory between steps.
+
+    ``SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), swap_times=8)``
+
+    It shares ``param_groups`` and ``state`` with the wrapped optimizer, so LR
+    schedulers, GradScaler, clip_grad_norm_ and state dicts work as with the
+    wrapped optimizer; its results are the wrapped optimizer's. ``state`` holds
+    host tensors for the swapped states (device tensors for resident ones), and
+    ``state_dict()`` has the wrapped optimizer's format.
+    """
+
+    # GradScaler hands grad_scale / found_inf to step() instead of syncing on them.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[SwapOptimizerConfig] = None,
+                 **fields: Any) -> None:
+        self.config = SwapOptimizerConfig.from_fields(config, fields)
+        _check_optimizer(optimizer)
+        for index, group in enumerate(optimizer.param_groups):
+            _check_group_flags(group, index)
+        self._device = _check_params([p for g in optimizer.param_groups for p in g["params"]], None)
+        self.optimizer = optimizer
+        self._runtime = None
+        # Sets up hooks and step profiling as for any optimizer; add_param_group
+        # below defers to the base class until the runtime exists.
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        existing = {p: dict(s) for p, s in optimizer.state.items() if s}
+        self._build_runtime(existing, "the wrapped optimizer's state")
+
+    # ----------------------------------------------------------------- state
+    @property
+    def state(self):  # noqa: D401  (torch.optim attribute)
+        """param -> its state; reading it waits for the last step's copies to land."""
+        runtime = self.__dict__.get("_runtime")
+        if runtime is not None:
+            runtime.synchronize()
+        return self.__dict__["_state"]
+
+    @state.setter
+    def state(self, value) -> None:
+        self.__dict__["_state"] = value
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _build_runtime(self, previous: dict, source: str) -> None:
+        """Lays out the stores for the current params and fills them from
+        `previous` (param -> state dict), zeros where absent."""
+        params = self._params()
+        group_of_param = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+        group_amsgrad = [bool(group["amsgrad"]) for group in self.param_groups]
+        index_of = {p: i for i, p in enumerate(params)}
+        updates = [(index_of[p], self._checked_state(index_of[p], p, entry, group_amsgrad[group_of_param[index_of[p]]],
+                                                      f"{source}, param {index_of[p]}"))
+                   for p, entry in previous.items() if p in index_of and entry]
+        swappable = [p.numel() >= self.config.min_numel and p.is_contiguous() and _owns_storage(p) for p in params]
+        swap_keys = [self.config.swaps(key) for key in STATE_KEYS]
+        swap_times = self.config.swap_times
+        if self.config.staging_budget_bytes is not None:
+            swap_times, smallest = _C.smallest_swap_times_for_budget(
+                params, group_of_param, group_amsgrad, swappable, state_dtype=self.config.state_dtype,
+                master_weights=self.config.master_weights, swap_keys=swap_keys,
+                num_arenas=self.config.num_arenas, budget_bytes=self.config.staging_budget_bytes)
+            if swap_times < 0:
+                raise ValueError(f"SwapOptimizerConfig.staging_budget_bytes={self.config.staging_budget_bytes} is too "
+                                 f"small: even one param per batch needs {smallest} bytes of staging arenas; raise "
+                                 "the budget, or keep more params resident with a larger min_numel")
+        runtime = _C.SwapRuntime(params, group_of_param, group_amsgrad, swappable, swap_times=swap_times,
+                                 num_arenas=self.config.num_arenas, state_dtype=self.config.state_dtype,
+                                 master_weights=self.config.master_weights, pin_memory=self.config.pin_memory,
+                                 keep_arenas=self.config.keep_arenas, swap_keys=swap_keys)
+        stats = runtime.memory_stats()
+        if stats["unpinned_host_bytes"]:
+            warnings.warn(f"SwapOptimizer: could not pin {stats['unpinned_host_bytes']} bytes of host memory; that "
+                          "part of the optimizer state uses pageable memory, so its copies are slower",
+                          RuntimeWarning, stacklevel=3)
+        views = [runtime.state_views(i) for i in range(len(params))]
+        self._write_states(params, views, dict(updates))
+        state = self.__dict__["_state"]
+        state.clear()
+        for p, view in zip(params, views):
+            state[p] = view
+        self._runtime = runtime
+        self._group_sizes = [len(g["params"]) for g in self.param_groups]
+
+    def _checked_state(self, index: int, param: torch.Tensor, entry: Any, amsgrad: bool, where: str) -> dict:
+        """Validates one param's saved state; returns {key: value} to write."""
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: state must be a dict, got {type(entry).__name__}")
+        allowed = {"step", "exp_avg", "exp_avg_sq", "master_param"} | ({"max_exp_avg_sq"} if amsgrad else set())
+        unknown = sorted(set(entry) - allowed)
+        if unknown:
+            raise ValueError(f"{where}: unknown state key(s) {unknown}; Adam/AdamW with amsgrad={amsgrad} keep "
+                             f"{sorted(allowed)} (is this another optimizer's state dict?)")
+        required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+        missing = [k for k in required if k not in entry]
+        if missing:
+            raise ValueError(f"{where}: state is missing {missing}; Adam/AdamW with amsgrad={amsgrad} need {required}")
+        values = {"step": _as_step_value(entry["step"], where)}
+        for key in required[1:] + (["master_param"] if "master_param" in entry else []):
+            value = entry[key]
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                raise ValueError(f"{where}: '{key}' must be a floating-point tensor, got "
+                                 f"{getattr(value, 'dtype', type(value).__name__)}")
+            if value.shape != param.shape:
+                raise ValueError(f"{where}: '{key}' has shape {tuple(value.shape)} but the param has shape "
+                                 f"{tuple(param.shape)}; the state dict belongs to another model")
+            values[key] = value
+        return values
+
+    def _write_states(self, params: list[torch.Tensor], views: list[dict], values: dict[int, dict]) -> None:
+        """Writes validated states into the stores: no step and zeros where a
+        param has no saved state; master copies from the params when not saved."""
+        with torch.no_grad():
+            for i, (p, view) in enumerate(zip(params, views)):
+                saved = values.get(i, {})
+                view["step"].fill_(saved.get("step", 0.0))
+                for key in STATE_KEYS:
+                    if key not in view:
+                        continue
+                    if key in saved:
+                        view[key].copy_(saved[key])
+                    elif key == "master_param":
+                        view[key].copy_(p)
+                    else:
+                        view[key].zero_()
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102  (torch.optim API)
+        if closure is not None:
+            raise ValueError("SwapOptimizer.step() does not take a closure; compute the loss and call "
+                             "backward() before step()")
+        groups = self.param_groups
+        sizes = [len(g["params"]) for g in groups]
+        if sizes != self._group_sizes:
+            raise ValueError(f"SwapOptimizer: param groups now hold {sizes} params but the state was laid out for "
+                             f"{self._group_sizes}; add params with add_param_group(), not by editing param_groups")
+        group_args = []
+        for index, group in enumerate(groups):
+            _check_group_flags(group, index)
+            beta1, beta2 = group["betas"]
+            decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
+            group_args.append((float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                               float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]),
+                               bool(decoupled)))
+        grads = [p.grad for g in groups for p in g["params"]]
+        self._runtime.step(grads, group_args, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        return None
+
+    def add_param_group(self, param_group: dict) -> None:  # noqa: D102  (torch.optim API)
+        if self.__dict__.get("_runtime") is None:  # called by Optimizer.__init__
+            return super().add_param_group(param_group)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        _check_params(params, self._device, first_index=sum(self._group_sizes))
+        previous = dict(self.state)  # waits for the last step; views stay valid after the rebuild
+        self.optimizer.add_param_group(param_group)  # validates and appends to the shared param_groups
+        _check_group_flags(self.param_groups[-1], len(self.param_groups) - 1)
+        try:
+            self._build_runtime(previous, "the current state")
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    # ----------------------------------------------------------- state dicts
+    def state_dict(self) -> dict[str, Any]:  # noqa: D102  (torch.optim API)
+        """The wrapped optimizer's format; swapped states are the host tensors
+        themselves (no device copy), steps are CPU float32 tensors."""
+        self._runtime.synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102  (torch.optim API)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("SwapOptimizer.load_state_dict: expected an optimizer state dict with 'state' and "
+                             "'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        groups = self.param_groups
+        if len(saved_groups) != len(groups):
+            raise ValueError(f"SwapOptimizer.load_state_dict: the state dict has {len(saved_groups)} param groups "
+                             f"but this optimizer has {len(groups)}")
+        params = self._params()
+        saved_ids, new_groups = [], []
+        for g, (saved, group) in enumerate(zip(saved_groups, groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"SwapOptimizer.load_state_dict: param group {g} has {len(saved['params'])} params "
+                                 f"in the state dict but {len(group['params'])} here")
+            if bool(saved.get("amsgrad", False)) != bool(group["amsgrad"]):
+                raise ValueError(f"SwapOptimizer.load_state_dict: param group {g} was saved with amsgrad="
+                                 f"{bool(saved.get('amsgrad', False))} but this optimizer has amsgrad={group['amsgrad']}; "
+                                 "create the wrapped optimizer with the saved amsgrad")
+            saved_ids.extend(saved["params"])
+            new_group = {**self.defaults, **saved, "params": group["params"]}
+            for flag in _EXECUTION_FLAGS:
+                new_group[flag] = group.get(flag)
+            if "param_names" in group and "param_names" not in saved:
+                new_group["param_names"] = group["param_names"]
+            new_groups.append(new_group)
+        index_of_id = {saved_id: i for i, saved_id in enumerate(saved_ids)}
+        group_of_param = [g for g, group in enumerate(groups) for _ in group["params"]]
+        values = {}
+        for saved_id, entry in state_dict["state"].items():
+            if saved_id not in index_of_id:
+                raise ValueError(f"SwapOptimizer.load_state_dict: state for param id {saved_id!r}, which no param "
+                                 "group of the state dict lists")
+            i = index_of_id[saved_id]
+            if entry:
+                values[i] = self._checked_state(i, params[i], entry, bool(groups[group_of_param[i]]["amsgrad"]),
+                                                f"SwapOptimizer.load_state_dict: param {i}")
+        # Everything is checked: write.
+        self._runtime.synchronize()
+        groups[:] = new_groups
+        self._write_states(params, [self._state[p] for p in params], values)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    # ----------------------------------------------------------------- misc
+    def memory_stats(self) -> dict[str, Any]:
+        """Bytes of the host store, staging arenas (now and peak), resident
+        states, bytes moved each way by the last step, batches and arenas."""
+        return self._runtime.memory_stats()
+
+    def _set_test_hooks(self, copy_delay_us: int = 0, seed: int = 0, fault: Optional[str] = None,
+                        fault_batch: int = -1) -> None:
+        """Tests only: random copy delays (host backend) and one injected failure."""
+        self._runtime.set_test_hooks(copy_delay_us=copy_delay_us, seed=seed, fault=fault, fault_batch=fault_batch)
+
+    def _batch_plan(self) -> list[dict]:
+        return self._runtime.batch_plan()
+
+    def __getstate__(self):
+        raise TypeError("SwapOptimizer cannot be pickled or deep-copied; save state_dict() and load it into a new "
+                        "SwapOptimizer")
+
+    def __repr__(self) -> str:
+        return f"SwapOptimizer({self.optimizer!r}, config={self.config!r})"
