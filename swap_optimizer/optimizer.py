@@ -225,11 +225,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         if self.__dict__.get("_runtime") is None:  # called by Optimizer.__init__
             return super().add_param_group(param_group)
         params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        # A generator can be read once: keep the list, as torch's add_param_group does.
+        param_group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
         _check_params(params, self._device, first_index=sum(self._group_sizes))
+        _check_group_flags(param_group, len(self.param_groups))
         previous = dict(self.state)  # waits for the last step; views stay valid after the rebuild
         self.optimizer.add_param_group(param_group)  # validates and appends to the shared param_groups
-        _check_group_flags(self.param_groups[-1], len(self.param_groups) - 1)
         try:
             self._build_runtime(previous, "the current state")
         except BaseException:

@@ -1,0 +1,140 @@
+"""Every misuse gets a clear error naming the fix, and changes nothing."""
+
+import pytest
+import torch
+
+import swap_optimizer as so
+from swap_training import build_model, loss_of, params_of, state_tensors, swap_optimizer, train
+
+
+def params(n=2048, count=2):
+    return [torch.nn.Parameter(torch.randn(n)) for _ in range(count)]
+
+
+class KeepsAdamStep(torch.optim.AdamW):
+    pass
+
+
+class OwnStep(torch.optim.AdamW):
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: torch.optim.SGD(params(), lr=0.1), TypeError, "wraps torch.optim.Adam or AdamW"),
+    (lambda: OwnStep(params()), TypeError, "got OwnStep"),
+    (lambda: torch.optim.AdamW(params(), foreach=True), ValueError, "foreach=True.*foreach=None or False"),
+    (lambda: torch.optim.Adam(params(), capturable=True), ValueError, "capturable=True.*capturable=False"),
+    (lambda: torch.optim.AdamW(params(), differentiable=True), ValueError, "differentiable=True"),
+    (lambda: torch.optim.AdamW([torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))]), TypeError,
+     "complex.*view_as_real"),
+    (lambda: torch.optim.AdamW([torch.nn.Parameter(torch.randn(4, dtype=torch.float64))]), TypeError,
+     "float64; supported are float32, bfloat16 and float16"),
+    (lambda: torch.optim.AdamW([torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4, device="meta"))]),
+     ValueError, "param 1 is on meta but earlier params are on cpu"),
+])
+def test_unsupported_optimizers_and_params(make, error, message):
+    with pytest.raises(error, match=message):
+        so.SwapOptimizer(make())
+
+
+def test_supported_variants_are_accepted():
+    so.SwapOptimizer(KeepsAdamStep(params()))
+    so.SwapOptimizer(torch.optim.AdamW(params(), fused=True))
+    with pytest.raises(TypeError, match="already a SwapOptimizer"):
+        so.SwapOptimizer(so.SwapOptimizer(torch.optim.AdamW(params())))
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(swap_times=0), "swap_times must be an int >= 1"),
+    (dict(swap_times=2.5), "swap_times must be an int >= 1"),
+    (dict(swap_times=True), "swap_times must be an int >= 1"),
+    (dict(min_numel=-1), "min_numel must be an int >= 0"),
+    (dict(num_arenas=1), "num_arenas must be an int >= 2"),
+    (dict(state_dtype=torch.float16), "state_dtype must be None .* or torch.float32"),
+    (dict(master_weights="yes"), "master_weights must be True or False"),
+    (dict(pin_memory=None), "pin_memory must be True or False"),
+    (dict(keep_arenas=1), "keep_arenas must be True or False"),
+    (dict(staging_budget_bytes=0), "staging_budget_bytes must be an int >= 1"),
+    (dict(state_keys=("exp_avg", "momentum_buffer")), "unknown state key\\(s\\) \\['momentum_buffer'\\]"),
+    (dict(state_keys="exp_avg"), "sequence of names"),
+    (dict(state_keys=("exp_avg", "exp_avg")), "names a key twice"),
+    (dict(swaptimes=4), "unknown setting\\(s\\) \\['swaptimes'\\]"),
+])
+def test_bad_config_values(fields, message):
+    with pytest.raises(ValueError, match=message):
+        so.SwapOptimizer(torch.optim.AdamW(params()), **fields)
+
+
+def test_config_and_fields_combine():
+    config = so.SwapOptimizerConfig(swap_times=4, state_keys=["exp_avg"])
+    assert config.state_keys == ("exp_avg",)
+    opt = so.SwapOptimizer(torch.optim.AdamW(params(count=5)), config, num_arenas=3)
+    assert opt.config.swap_times == 4 and opt.config.num_arenas == 3
+    with pytest.raises(TypeError, match="SwapOptimizerConfig"):
+        so.SwapOptimizer(torch.optim.AdamW(params()), config={"swap_times": 4})
+    with pytest.raises(Exception):
+        config.swap_times = 2  # frozen
+
+
+def trained():
+    model = build_model("mlp", "cpu")
+    optimizer = swap_optimizer("adamw", model.parameters(), swap_times=2)
+    train("mlp", model, optimizer, 2, "cpu")
+    optimizer.zero_grad()
+    loss_of("mlp", model, 5, "cpu").backward()
+    return model, optimizer
+
+
+def break_amsgrad(model, optimizer):
+    optimizer.param_groups[0]["amsgrad"] = True
+
+
+def break_groups(model, optimizer):
+    optimizer.param_groups[0]["params"].append(torch.nn.Parameter(torch.randn(3)))
+
+
+def break_lr(model, optimizer):
+    optimizer.param_groups[0]["lr"] = -1.0
+
+
+def break_foreach(model, optimizer):
+    optimizer.param_groups[0]["foreach"] = True
+
+
+def break_param_dtype(model, optimizer):
+    model.half()
+
+
+def break_grad_sparse(model, optimizer):
+    p = next(model.parameters())
+    p.grad = p.grad.to_sparse()
+
+
+@pytest.mark.parametrize("breaker, error, message", [
+    (break_amsgrad, ValueError, "amsgrad cannot change after wrapping"),
+    (break_groups, ValueError, "add params with add_param_group"),
+    (break_lr, ValueError, "need lr >= 0"),
+    (break_foreach, ValueError, "foreach=True"),
+    (break_param_dtype, ValueError, "create a new SwapOptimizer after moving or converting the model"),
+    (break_grad_sparse, ValueError, "sparse gradient"),
+])
+def test_bad_step_inputs_change_nothing(breaker, error, message):
+    model, optimizer = trained()
+    before_states = state_tensors(optimizer, model)
+    breaker(model, optimizer)
+    before_params = params_of(model)
+    with pytest.raises(error, match=message):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before_params))
+    after = state_tensors(optimizer, model)
+    assert all(torch.equal(before_states[k], after[k]) for k in before_states)
+
+
+def test_closure_is_refused():
+    model, optimizer = trained()
+    before = state_tensors(optimizer, model)
+    with pytest.raises(ValueError, match="does not take a closure"):
+        optimizer.step(lambda: loss_of("mlp", model, 0, "cpu"))
+    after = state_tensors(optimizer, model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
