@@ -8,6 +8,7 @@ import io
 import numpy as np
 import torch
 from torch import nn
+from torch.testing import assert_close
 
 import swap_optimizer as so
 
@@ -82,6 +83,32 @@ def plain_optimizer(name: str, params, amsgrad: bool = False) -> torch.optim.Opt
 def swap_optimizer(name: str, params, amsgrad: bool = False, **fields) -> so.SwapOptimizer:
     """SwapOptimizer around plain_optimizer(name, ...)."""
     return so.SwapOptimizer(plain_optimizer(name, params, amsgrad), **fields)
+
+
+def side_by_side(kind, name, device, **fields):
+    """Two copies of a model: one with SwapOptimizer(fields), one with the plain optimizer."""
+    model, twin = build_model(kind, device), build_model(kind, device)
+    return (model, swap_optimizer(name, model.parameters(), **fields)), (twin, plain_optimizer(name, twin.parameters()))
+
+
+def plain_twin(kind, model, optimizer, device, name="adamw"):
+    """A copy of `model` and a plain optimizer holding `optimizer`'s state. The
+    state dict goes through torch.save / torch.load: loading a state dict shares
+    its tensors (in torch as here), and the twin must not train ours."""
+    twin = build_model(kind, device)
+    twin.load_state_dict(model.state_dict())
+    plain = plain_optimizer(name, twin.parameters())
+    plain.load_state_dict(round_trip(optimizer.state_dict()))
+    return twin, plain
+
+
+def assert_train_alike(kind, first, second, steps, first_step, device, **tolerance):
+    """Trains two (model, optimizer) pairs on the same data; losses and params agree."""
+    (model_a, optimizer_a), (model_b, optimizer_b) = first, second
+    assert_close(train(kind, model_a, optimizer_a, steps, device, first_step),
+                 train(kind, model_b, optimizer_b, steps, device, first_step), **tolerance)
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        assert_close(p, q, **tolerance)
 
 
 def params_of(model):

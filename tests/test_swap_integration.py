@@ -10,7 +10,7 @@ import torch
 from torch.testing import assert_close
 
 from conftest import DEVICES
-from swap_training import build_model, loss_of, plain_optimizer, state_tensors, swap_optimizer, train
+from swap_training import build_model, loss_of, side_by_side, state_tensors, swap_optimizer, train
 
 TRAIN_TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -25,9 +25,7 @@ def assert_same_training(model, ours, twin, plain):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_lr_scheduler(device):
-    model, twin = build_model("mlp", device), build_model("mlp", device)
-    ours = swap_optimizer("adamw", model.parameters(), swap_times=2)
-    plain = plain_optimizer("adamw", twin.parameters())
+    (model, ours), (twin, plain) = side_by_side("mlp", "adamw", device, swap_times=2)
     assert isinstance(ours, torch.optim.Optimizer)
     schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=30) for o in (ours, plain)]
     for step in range(30):
@@ -40,9 +38,7 @@ def test_lr_scheduler(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_grad_scaler_with_an_inf_step_and_clipping(device):
-    model, twin = build_model("mlp", device), build_model("mlp", device)
-    ours = swap_optimizer("adamw", model.parameters(), swap_times=2)
-    plain = plain_optimizer("adamw", twin.parameters())
+    (model, ours), (twin, plain) = side_by_side("mlp", "adamw", device, swap_times=2)
     scalers = [torch.amp.GradScaler(device, init_scale=2.0 ** 12, growth_interval=3) for _ in range(2)]
     for step in range(12):
         for m, o, scaler in ((model, ours, scalers[0]), (twin, plain, scalers[1])):
@@ -65,9 +61,7 @@ def test_grad_scaler_with_an_inf_step_and_clipping(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_params_without_grads_are_skipped_as_torch_skips_them(device):
-    model, twin = build_model("transformer", device), build_model("transformer", device)
-    ours = swap_optimizer("adam", model.parameters(), swap_times=3)
-    plain = plain_optimizer("adam", twin.parameters())
+    (model, ours), (twin, plain) = side_by_side("transformer", "adam", device, swap_times=3)
 
     def drop_some(step, m):
         for i, p in enumerate(m.parameters()):
@@ -95,11 +89,9 @@ def test_step_hooks_run(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_add_param_group(device):
-    model, twin = build_model("mlp", device), build_model("mlp", device)
-    head, twin_head = torch.nn.Linear(10, 128).to(device), copy.deepcopy(torch.nn.Linear(10, 128)).to(device)
+    (model, ours), (twin, plain) = side_by_side("mlp", "adamw", device, swap_times=2)
+    head, twin_head = torch.nn.Linear(10, 128).to(device), torch.nn.Linear(10, 128).to(device)
     twin_head.load_state_dict(head.state_dict())
-    ours = swap_optimizer("adamw", model.parameters(), swap_times=2)
-    plain = plain_optimizer("adamw", twin.parameters())
 
     def run(m, h, o, steps, first):
         for step in range(first, first + steps):

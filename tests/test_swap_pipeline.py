@@ -9,10 +9,9 @@
 
 import pytest
 import torch
-from torch.testing import assert_close
 
 from conftest import DEVICES
-from swap_training import build_model, params_of, plain_optimizer, round_trip, state_tensors, swap_optimizer, train
+from swap_training import assert_train_alike, build_model, params_of, plain_twin, state_tensors, swap_optimizer, train
 
 TRAIN_TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -49,12 +48,8 @@ def test_fault_at_each_batch_loses_nothing(fault, num_arenas, device):
     first_batch = 1 if fault == "interrupt" else 0  # interrupts are checked between batches
     for fault_batch in range(first_batch, len(plan)):
         before = snapshot(optimizer, model)
-        # Where the step would have taken each param. (A state dict shares its
-        # tensors, in torch as here: the twin loads a saved copy.)
-        twin = build_model("mlp", device)
-        twin.load_state_dict(model.state_dict())
-        twin_optimizer = plain_optimizer("adamw", twin.parameters())
-        twin_optimizer.load_state_dict(round_trip(optimizer.state_dict()))
+        # Where the step would have taken each param.
+        twin, twin_optimizer = plain_twin("mlp", model, optimizer, device)
         train("mlp", twin, twin_optimizer, 1, device, first_step=100 + fault_batch)
         after = snapshot(twin_optimizer, twin)
 
@@ -81,14 +76,8 @@ def test_fault_at_each_batch_loses_nothing(fault, num_arenas, device):
             assert new_params == sorted(i for b in plan[:fault_batch] for i in b["params"])
 
         # The next steps are right: they match a plain AdamW loaded from this state.
-        twin = build_model("mlp", device)
-        twin.load_state_dict(model.state_dict())
-        twin_optimizer = plain_optimizer("adamw", twin.parameters())
-        twin_optimizer.load_state_dict(round_trip(optimizer.state_dict()))
-        assert_close(train("mlp", model, optimizer, 2, device, first_step=200),
-                     train("mlp", twin, twin_optimizer, 2, device, first_step=200), **TRAIN_TOL)
-        for p, q in zip(model.parameters(), twin.parameters()):
-            assert_close(p, q, **TRAIN_TOL)
+        assert_train_alike("mlp", (model, optimizer), plain_twin("mlp", model, optimizer, device), 2, 200, device,
+                           **TRAIN_TOL)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,8 +14,8 @@ from torch.testing import assert_close
 
 import swap_optimizer as so
 from conftest import DEVICES
-from swap_training import (build_model, params_of, plain_optimizer, round_trip, state_tensors, swap_optimizer,
-                           train)
+from swap_training import (assert_train_alike, build_model, plain_optimizer, plain_twin, round_trip, state_tensors,
+                           swap_optimizer, train)
 
 TRAIN_TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -73,10 +73,7 @@ def test_plain_adamw_state_dict_loads_into_swap_optimizer(device):
     model.load_state_dict(plain_model.state_dict())
     ours = swap_optimizer("adamw", model.parameters(), swap_times=4)
     ours.load_state_dict(round_trip(plain.state_dict()))
-    assert_close(train("transformer", model, ours, 15, device, first_step=15),
-                 train("transformer", plain_model, plain, 15, device, first_step=15), **TRAIN_TOL)
-    for p, q in zip(model.parameters(), plain_model.parameters()):
-        assert_close(p, q, **TRAIN_TOL)
+    assert_train_alike("transformer", (model, ours), (plain_model, plain), 15, 15, device, **TRAIN_TOL)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -84,14 +81,8 @@ def test_swap_optimizer_state_dict_loads_into_plain_adamw(device):
     model = build_model("transformer", device)
     ours = swap_optimizer("adamw", model.parameters(), swap_times=4)
     train("transformer", model, ours, 15, device)
-    plain_model = build_model("transformer", device)
-    plain_model.load_state_dict(model.state_dict())
-    plain = plain_optimizer("adamw", plain_model.parameters())
-    plain.load_state_dict(round_trip(ours.state_dict()))
-    assert_close(train("transformer", plain_model, plain, 15, device, first_step=15),
-                 train("transformer", model, ours, 15, device, first_step=15), **TRAIN_TOL)
-    for p, q in zip(model.parameters(), plain_model.parameters()):
-        assert_close(p, q, **TRAIN_TOL)
+    twin = plain_twin("transformer", model, ours, device)
+    assert_train_alike("transformer", twin, (model, ours), 15, 15, device, **TRAIN_TOL)
 
 
 @pytest.mark.parametrize("device", DEVICES)
