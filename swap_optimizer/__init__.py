@@ -1,6 +1,8 @@
 """swap-optimizer: AdamW with its state in pinned host memory, streamed through
 small device staging arenas during step()."""
 
+import torch  # noqa: F401  (loads libtorch, which _C links against)
+
 from . import _C
 from .config import STATE_KEYS, SwapOptimizerConfig
 from .ops import LAYOUT_COLUMNS, fused_adam_packed, plan_packed_layout

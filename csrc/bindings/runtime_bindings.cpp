@@ -1,5 +1,6 @@
 #include "runtime_bindings.h"
 
+#include "../runtime/host_memory.h"
 #include "../runtime/swap_runtime.h"
 
 #include <pybind11/functional.h>
@@ -132,6 +133,17 @@ void bind_runtime(py::module& module) {
            py::arg("copy_delay_us") = 0, py::arg("seed") = 0, py::arg("fault") = py::none(),
            py::arg("fault_batch") = -1,
            "Test only: random copy delays (host backend) and one injected failure.");
+
+  module.def(
+      "measure_copy_bandwidth",
+      [](const c10::Device& device, int64_t bytes, int repeats) {
+        py::gil_scoped_release no_gil;
+        const runtime::CopyBandwidth bandwidth = runtime::measure_copy_bandwidth(device, bytes, repeats);
+        return std::make_tuple(bandwidth.host_to_device, bandwidth.device_to_host, bandwidth.both_directions);
+      },
+      py::arg("device"), py::arg("bytes"), py::arg("repeats"),
+      "(host to device, device to host, both at once) in bytes per second through the runtime's own "
+      "transport and host memory, median of `repeats` copies of `bytes`.");
 
   module.def(
       "smallest_swap_times_for_budget",

@@ -1,14 +1,11 @@
 #include "swap_runtime.h"
 
 #include "../kernels/op_registry.h"
+#include "host_memory.h"
 #include "host_transport.h"
-#ifdef SWAP_OPTIMIZER_WITH_CUDA
-#include "cuda/cuda_transport.h"
-#endif
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
@@ -16,8 +13,6 @@
 
 #include <algorithm>
 #include <csignal>
-#include <cstdlib>
-#include <cstring>
 
 namespace swap_optimizer::runtime {
 namespace {
@@ -39,16 +34,6 @@ constexpr const char* kStateNames[kStateKeyCount] = {"exp_avg", "exp_avg_sq", "m
 
 c10::ScalarType state_dtype_of(const RuntimeOptions& options, c10::ScalarType param_dtype) {
   return options.state_dtype.value_or(param_dtype);
-}
-
-void* allocate_pageable(int64_t bytes) {
-  void* pointer = nullptr;
-  // Page-aligned, like pinned memory, and exactly `bytes` long.
-  if (posix_memalign(&pointer, 4096, static_cast<size_t>(std::max<int64_t>(bytes, 1))) != 0) {
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "SwapOptimizer: could not allocate ", bytes,
-                     " bytes of host memory for the optimizer state");
-  }
-  return pointer;
 }
 
 }  // namespace
@@ -239,20 +224,27 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
     param_dtype_.push_back(params_[i].scalar_type());
     param_shape_.push_back(params_[i].sizes().vec());
   }
-  TORCH_CHECK_VALUE(device_.is_cpu() || device_.is_cuda(), "SwapOptimizer: params on ", device_,
-                    " are not supported; use CPU or CUDA tensors");
-#ifndef SWAP_OPTIMIZER_WITH_CUDA
-  TORCH_CHECK_VALUE(device_.is_cpu(), "SwapOptimizer: params are on ", device_,
-                    " but swap_optimizer was built without CUDA; reinstall it with a CUDA build of "
-                    "torch and nvcc available (pip install --no-build-isolation .)");
-#endif
 
   plan_ = plan_store(make_slot_specs(params_, group_of_param_, group_amsgrad_, swappable, options_),
                      options_.swap_keys, options_.swap_times);
 
+  arena_count_ = static_cast<int>(std::min(options_.num_arenas, plan_.rotating_batches));
+  // One marker slot per arena plus one for the resident batch; copies in and
+  // out get their own queues once there are three arenas to rotate.
+  const bool separate_copy_queues = arena_count_ >= 3;
+  transport_ = make_transport(device_, arena_count_ + 1, separate_copy_queues);
+
   // Host slabs: one exact-size allocation per batch.
-  pinned_ = device_.is_cuda() && options_.pin_memory;
-  for (const BatchPlan& batch : plan_.batches) host_slabs_.push_back(allocate_host_slab(batch.host_bytes));
+  const bool pin = device_.is_cuda() && options_.pin_memory;
+  pinned_ = pin;
+  for (const BatchPlan& batch : plan_.batches) {
+    bool pinned = false;
+    host_slabs_.push_back(allocate_host_slab(batch.host_bytes, pin, &pinned));
+    if (pin && !pinned) {
+      pinned_ = false;
+      unpinned_bytes_ += batch.host_bytes;
+    }
+  }
   if (plan_.resident_store_bytes > 0) {
     resident_store_ = at::zeros({plan_.resident_store_bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
   }
@@ -274,46 +266,10 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
     layouts_.push_back(layout);
   }
 
-  arena_count_ = static_cast<int>(std::min(options_.num_arenas, plan_.rotating_batches));
-  // One marker slot per arena plus one for the resident batch; copies in and
-  // out get their own queues once there are three arenas to rotate.
-  const bool separate_copy_queues = arena_count_ >= 3;
-  if (device_.is_cuda()) {
-#ifdef SWAP_OPTIMIZER_WITH_CUDA
-    transport_ = make_cuda_transport(device_.index(), arena_count_ + 1, separate_copy_queues);
-#endif
-  } else {
-    transport_ = std::make_unique<HostTransport>(arena_count_ + 1, separate_copy_queues);
-  }
 }
 
 SwapRuntime::~SwapRuntime() {
   if (transport_) transport_->drain();
-}
-
-at::Tensor SwapRuntime::allocate_host_slab(int64_t bytes) {
-  void* pointer = nullptr;
-  bool pinned = false;
-#ifdef SWAP_OPTIMIZER_WITH_CUDA
-  if (device_.is_cuda() && options_.pin_memory) {
-    pointer = allocate_pinned(bytes);
-    pinned = pointer != nullptr;
-    if (!pinned) unpinned_bytes_ += bytes;
-  }
-#endif
-  if (!pinned) {
-    pinned_ = false;
-    pointer = allocate_pageable(bytes);
-  }
-  std::memset(pointer, 0, static_cast<size_t>(bytes));
-  auto release = [pinned](void* p) {
-#ifdef SWAP_OPTIMIZER_WITH_CUDA
-    if (pinned) return free_pinned(p);
-#endif
-    std::free(p);
-  };
-  // The slab lives as long as any view of it (a state_dict kept after the optimizer, say).
-  return at::from_blob(pointer, {bytes}, release, at::TensorOptions().dtype(at::kByte));
 }
 
 at::Tensor SwapRuntime::arena_for(int64_t batch, int slot) const {

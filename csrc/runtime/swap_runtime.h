@@ -101,7 +101,6 @@ class SwapRuntime {
   class Step;
   friend class Step;
 
-  at::Tensor allocate_host_slab(int64_t bytes);
   void allocate_arenas();
   void release_arenas();
   at::Tensor arena_for(int64_t batch, int slot) const;
