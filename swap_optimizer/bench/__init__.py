@@ -1,0 +1,1 @@
+"""The peak-memory benchmark: ``python -m swap_optimizer.bench --help``."""

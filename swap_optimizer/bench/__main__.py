@@ -1,0 +1,188 @@
+"""python -m swap_optimizer.bench: peak device memory and step time of
+SwapOptimizer against resident AdamW, the copy floor and peers."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import sys
+
+import torch
+
+from .. import built_with_cuda
+from .model import PRESETS, GPTConfig
+from .report import Progress, table, write_json, write_plot
+from .runner import make_modes, measure_bandwidth, run_mode, torchao_offload_class
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return device
+
+
+def _int_list(minimum: int):
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers >= {minimum}, got {text!r}")
+        return values
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m swap_optimizer.bench",
+        description="Peak device memory and step time of SwapOptimizer against torch's fused AdamW with the state "
+                    "resident, the measured copy floor and, where importable, torchao's CPUOffloadOptimizer, on an "
+                    "embedded GPT-style model with random tokens.")
+    p.add_argument("--device", type=_device, default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when a GPU is present)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="model size (default: tiny; micro with --quick)")
+    p.add_argument("--layers", type=_positive_int, help="override the preset's number of blocks")
+    p.add_argument("--hidden", type=_positive_int, help="override the preset's width")
+    p.add_argument("--heads", type=_positive_int, help="override the preset's attention heads")
+    p.add_argument("--vocab", type=_positive_int, help="override the preset's vocabulary size")
+    p.add_argument("--seq-len", type=_positive_int, help="override the preset's sequence length")
+    p.add_argument("--batch-size", type=_positive_int, default=2)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="param dtype; bf16 runs SwapOptimizer with and without fp32 master weights")
+    p.add_argument("--swap-times", type=_int_list(1), default=[2, 4, 8, 16], help="comma-separated (default 2,4,8,16)")
+    p.add_argument("--num-arenas", type=_int_list(2), default=[2, 3], help="comma-separated (default 2,3)")
+    p.add_argument("--warmup", type=_positive_int, default=3, help="untimed steps per mode")
+    p.add_argument("--repeats", type=_positive_int, default=10, help="timed steps per mode (median; at least 10)")
+    p.add_argument("--quick", action="store_true", help="the micro model, one warm-up step: about 30 s on a CPU")
+    p.add_argument("--json", metavar="PATH", help="write every figure and the environment as JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="plot peak memory against step time")
+    return p
+
+
+def model_config(args, p: argparse.ArgumentParser) -> tuple[str, GPTConfig]:
+    preset = args.preset or ("micro" if args.quick else "tiny")
+    base = PRESETS[preset].as_dict()
+    overrides = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab,
+                 "seq_len": args.seq_len}
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    config = GPTConfig(**base)
+    if config.hidden % config.heads:
+        p.error(f"--hidden {config.hidden} is not a multiple of --heads {config.heads}")
+    return preset, config
+
+
+def free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def needed_bytes(config: GPTConfig, dtype: torch.dtype, batch_size: int) -> int:
+    """The resident mode's need: params, grads, two fp32-or-dtype states, and
+    activations (about 40 values per token and width per block, plus logits)."""
+    params = config.param_count()
+    per_param = dtype.itemsize * 4
+    tokens = batch_size * config.seq_len
+    activations = tokens * (config.layers * 40 * config.hidden + 3 * config.vocab) * 4
+    return params * per_param + activations
+
+
+def environment(device: torch.device, bandwidth) -> dict:
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "device": str(device), "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+           "built_with_cuda": built_with_cuda(),
+           "bandwidth_bytes_per_s": {"host_to_device": bandwidth.host_to_device,
+                                     "device_to_host": bandwidth.device_to_host,
+                                     "both_directions": bandwidth.both_directions}}
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def main(argv=None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and not (torch.cuda.is_available() and built_with_cuda()):
+        p.error("--device cuda needs a GPU and a CUDA build of swap_optimizer")
+    if args.plot and not args.plot.endswith(".png"):
+        p.error(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib: pip install matplotlib")
+    if args.repeats < 10 and not args.quick:
+        p.error("--repeats must be at least 10: the step time is the median of at least 10 steps")
+    preset, config = model_config(args, p)
+    dtype = DTYPES[args.dtype]
+    need, free = needed_bytes(config, dtype, args.batch_size), free_bytes(device)
+    if need > free:
+        p.error(f"the {preset} model ({config.param_count() / 1e6:,.0f}M params, batch {args.batch_size}) needs about "
+                f"{need / 2**30:,.1f} GiB on {device} for the resident mode but {free / 2**30:,.1f} GiB is free; "
+                "pick a smaller --preset or --batch-size")
+    warmup = 1 if args.quick else args.warmup
+
+    cpu = device.type == "cpu"
+    bandwidth = measure_bandwidth(device, 64 << 20 if not cpu else 16 << 20, 5)
+    modes = make_modes(device, dtype, args.swap_times, args.num_arenas)
+    print(f"swap_optimizer benchmark: {preset} GPT ({config.param_count() / 1e6:,.1f}M params, {args.dtype}), "
+          f"batch {args.batch_size} x {config.seq_len} tokens on {device}; {len(modes)} modes, "
+          f"median of {args.repeats} steps after {warmup} warm-up", flush=True)
+    if cpu:
+        print("On the CPU: times are CPU times of the host backend, and memory is the runtime's own accounting "
+              "(params, grads and the optimizer's staging and resident state; activations not counted).", flush=True)
+    if device.type == "cuda" and torchao_offload_class() is None:
+        print("torchao is not installed: its CPUOffloadOptimizer is left out.", flush=True)
+    progress = Progress(len(modes))
+    progress.show(modes[0].name)
+    rows = []
+    for mode in modes:
+        rows.append(run_mode(mode, config, dtype, device, args.batch_size, warmup, args.repeats, bandwidth).as_dict())
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the next mode starts from the same empty device
+        progress.advance(mode.name)
+    print(f"\ncopy bandwidth measured here: H2D {bandwidth.host_to_device / 1e9:.2f} GB/s, "
+          f"D2H {bandwidth.device_to_host / 1e9:.2f} GB/s, both at once {bandwidth.both_directions / 1e9:.2f} GB/s")
+    print(table(rows, cpu))
+    report = {"environment": environment(device, bandwidth),
+              "model": {"preset": preset, "params": config.param_count(), "dtype": args.dtype,
+                        "batch_size": args.batch_size, **config.as_dict()},
+              "settings": {"warmup": warmup, "repeats": args.repeats, "swap_times": args.swap_times,
+                           "num_arenas": args.num_arenas,
+                           "memory": "runtime accounting" if cpu else "torch.cuda.max_memory_allocated",
+                           "times": "perf_counter (CPU)" if cpu else "CUDA events"},
+              "modes": rows}
+    if args.json:
+        write_json(args.json, report)
+        print(f"wrote {args.json}")
+    if args.plot:
+        title = f"{preset} GPT, {args.dtype}, {device}" + (" (CPU times, runtime accounting)" if cpu else "")
+        write_plot(args.plot, rows, title)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The benchmark's outputs: a progress bar, the table, the JSON file, the plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+MIB = 1 << 20
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, width: int = 30, stream=sys.stderr):
+        self.total, self.width, self.stream, self.done = total, width, stream, 0
+
+    def show(self, label: str) -> None:
+        filled = self.width * self.done // max(self.total, 1)
+        self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {label:<40.40}")
+        self.stream.flush()
+
+    def advance(self, label: str) -> None:
+        self.done += 1
+        self.show(label)
+        if self.done == self.total:
+            self.stream.write("\n")
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / MIB:,.1f}"
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:,.2f}"
+
+
+def table(rows: list[dict], cpu: bool) -> str:
+    """The results as a Markdown table, with ratios against the resident mode."""
+    resident = next((r for r in rows if r["kind"] == "resident"), None)
+    memory = "runtime accounting, MiB" if cpu else "MiB"
+    header = ["mode", f"peak train ({memory})", f"peak step() ({memory})", "vs resident", "step() ms",
+              "train step ms", "H2D MiB", "D2H MiB", "floor ms", "step/floor", "host MiB"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for r in rows:
+        ratio = "-" if resident is None else f"{r['peak_train_bytes'] / resident['peak_train_bytes']:.2f}"
+        over = "-" if r["step_over_floor"] is None else f"{r['step_over_floor']:.2f}"
+        lines.append("| " + " | ".join([r["mode"], _mib(r["peak_train_bytes"]), _mib(r["peak_step_bytes"]), ratio,
+                                         _ms(r["step_ms"]), _ms(r["train_step_ms"]), _mib(r["h2d_bytes"]),
+                                         _mib(r["d2h_bytes"]), _ms(r["floor_ms"]), over, _mib(r["host_bytes"])]) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: str, report: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
+def write_plot(path: str, rows: list[dict], title: str) -> None:
+    """Peak training memory against optimizer step time, one point per mode;
+    each swap mode's PCIe floor is marked on the same memory line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5.5))
+    for r in rows:
+        y = r["peak_train_bytes"] / MIB
+        marker = {"resident": "s", "swap": "o", "torchao": "^"}[r["kind"]]
+        axes.scatter([r["step_ms"]], [y], marker=marker, zorder=3)
+        axes.annotate(r["mode"], (r["step_ms"], y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+        if r["floor_ms"] is not None:
+            axes.plot([r["floor_ms"], r["step_ms"]], [y, y], ":", color="grey", zorder=1)
+            axes.scatter([r["floor_ms"]], [y], marker="|", color="black", s=80, zorder=2)
+    axes.scatter([], [], marker="|", color="black", label="copy floor (bytes moved / measured bandwidth)")
+    axes.set_xlabel("optimizer step() time, ms (median)")
+    axes.set_ylabel("peak memory over a training step, MiB")
+    axes.set_title(title, fontsize=9)
+    axes.grid(True, alpha=0.3)
+    axes.legend(loc="best", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,206 @@
+"""Runs the benchmark's modes side by side and measures each one.
+
+A mode is one optimizer set-up on a fresh copy of the same model: resident
+(torch's fused AdamW), SwapOptimizer at one (swap_times, num_arenas, master
+weights) setting, or a peer (torchao's CPUOffloadOptimizer, when importable).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .. import _C
+from ..optimizer import SwapOptimizer
+from .model import GPT, GPTConfig
+
+LR = 3e-4
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    kind: str  # "resident", "swap" or "torchao"
+    swap_times: int = 0
+    num_arenas: int = 0
+    master_weights: bool = False
+
+
+@dataclass
+class Bandwidth:
+    """Bytes per second through the runtime's own transport and host memory."""
+
+    host_to_device: float
+    device_to_host: float
+    both_directions: float
+
+    def floor_seconds(self, h2d_bytes: int, d2h_bytes: int, two_way: bool) -> float:
+        """The least time the link needs to move these bytes: one after the other
+        on one copy stream, or both directions at once on two."""
+        one_way = h2d_bytes / self.host_to_device + d2h_bytes / self.device_to_host
+        if not two_way:
+            return one_way
+        return max(h2d_bytes / self.host_to_device, d2h_bytes / self.device_to_host,
+                   (h2d_bytes + d2h_bytes) / self.both_directions)
+
+
+@dataclass
+class Result:
+    mode: Mode
+    peak_train_bytes: int
+    peak_step_bytes: int
+    step_seconds: float
+    train_seconds: float
+    h2d_bytes: int
+    d2h_bytes: int
+    host_bytes: int
+    floor_seconds: Optional[float]
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        row = {"mode": self.mode.name, "kind": self.mode.kind, "swap_times": self.mode.swap_times,
+               "num_arenas": self.mode.num_arenas, "master_weights": self.mode.master_weights,
+               "peak_train_bytes": self.peak_train_bytes, "peak_step_bytes": self.peak_step_bytes,
+               "step_ms": self.step_seconds * 1e3, "train_step_ms": self.train_seconds * 1e3,
+               "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "host_bytes": self.host_bytes,
+               "floor_ms": None if self.floor_seconds is None else self.floor_seconds * 1e3,
+               "step_over_floor": None if not self.floor_seconds else self.step_seconds / self.floor_seconds}
+        row.update(self.extra)
+        return row
+
+
+def torchao_offload_class():
+    """torchao's CPUOffloadOptimizer, or None when torchao is not installed."""
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError:
+        return None
+    return CPUOffloadOptimizer
+
+
+def make_modes(device: torch.device, dtype: torch.dtype, swap_times: list[int], num_arenas: list[int]) -> list[Mode]:
+    modes = [Mode("resident", "resident")]
+    masters = [False, True] if dtype != torch.float32 else [False]
+    for master in masters:
+        for arenas in num_arenas:
+            for times in swap_times:
+                suffix = "+master" if master else ""
+                modes.append(Mode(f"swap s{times} a{arenas}{suffix}", "swap", times, arenas, master))
+    if device.type == "cuda" and torchao_offload_class() is not None:
+        modes.append(Mode("torchao CPUOffloadOptimizer", "torchao"))
+    return modes
+
+
+def measure_bandwidth(device: torch.device, nbytes: int, repeats: int) -> Bandwidth:
+    return Bandwidth(*_C.measure_copy_bandwidth(device, nbytes, repeats))
+
+
+class Timer:
+    """Wall time of a region: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, work: Callable[[], None]) -> Callable[[], float]:
+        """Runs work; returns a function that gives its seconds once read."""
+        if not self.cuda:
+            start = time.perf_counter()
+            work()
+            seconds = time.perf_counter() - start
+            return lambda: seconds
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        work()
+        end.record()
+        return lambda: (end.synchronize(), begin.elapsed_time(end) / 1e3)[1]
+
+
+def build_optimizer(mode: Mode, model: GPT, dtype: torch.dtype):
+    params = model.parameters()
+    if mode.kind == "resident":
+        return torch.optim.AdamW(params, lr=LR, fused=True)
+    if mode.kind == "torchao":
+        return torchao_offload_class()(params, torch.optim.AdamW, lr=LR, fused=True)
+    return SwapOptimizer(torch.optim.AdamW(params, lr=LR), swap_times=mode.swap_times, num_arenas=mode.num_arenas,
+                         master_weights=mode.master_weights,
+                         state_dtype=torch.float32 if mode.master_weights else None)
+
+
+def state_bytes(model: GPT, dtype: torch.dtype, master: bool) -> int:
+    """Bytes of AdamW's state for the model: exp_avg and exp_avg_sq, fp32 with masters."""
+    numel = sum(p.numel() for p in model.parameters())
+    if master:
+        return numel * (4 + 4 + 4)
+    return numel * 2 * dtype.itemsize
+
+
+def run_mode(mode: Mode, config: GPTConfig, dtype: torch.dtype, device: torch.device, batch_size: int,
+             warmup: int, repeats: int, bandwidth: Bandwidth) -> Result:
+    torch.manual_seed(0)
+    model = GPT(config).to(device=device, dtype=dtype)
+    optimizer = build_optimizer(mode, model, dtype)
+    tokens = torch.randint(0, config.vocab, (batch_size, config.seq_len + 1), device=device,
+                           generator=torch.Generator(device=device).manual_seed(1))
+    timer = Timer(device)
+    cuda = device.type == "cuda"
+
+    def forward_backward():
+        model.loss(tokens).backward()
+
+    def optimizer_step():
+        optimizer.step()
+
+    step_times, train_times, train_peaks, step_peaks = [], [], [], []
+    for iteration in range(warmup + repeats):
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        backward_seconds = timer(forward_backward)
+        if cuda:
+            backward_peak = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        step_seconds = timer(optimizer_step)
+        if cuda:
+            torch.cuda.synchronize(device)
+            step_peak = torch.cuda.max_memory_allocated(device)
+            train_peaks.append(max(backward_peak, step_peak))
+            step_peaks.append(step_peak)
+        if iteration >= warmup:
+            step_times.append(step_seconds())
+            train_times.append(backward_seconds() + step_times[-1])
+
+    h2d = d2h = host = 0
+    extra = {}
+    two_way = False
+    if mode.kind == "swap":
+        stats = optimizer.memory_stats()
+        h2d, d2h, host = stats["h2d_bytes"], stats["d2h_bytes"], stats["host_state_bytes"]
+        two_way = stats["num_arenas"] >= 3
+        extra = {"peak_staging_bytes": stats["peak_staging_bytes"], "resident_state_bytes": stats["resident_state_bytes"],
+                 "batches": stats["batches"], "arenas_used": stats["num_arenas"], "pinned": stats["pinned"]}
+    elif mode.kind == "torchao":
+        # It moves grads to the host and updated params back, and keeps fp32 params and states there.
+        numel = sum(p.numel() for p in model.parameters())
+        h2d = d2h = numel * dtype.itemsize
+        host = numel * 4 * 3
+        two_way = True
+
+    if cuda:
+        peak_train, peak_step = max(train_peaks), max(step_peaks)
+    else:
+        # The runtime's own accounting: params, grads and what the optimizer keeps
+        # on the "device" (the CPU here); activations are not counted.
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if mode.kind == "swap":
+            on_device = extra["peak_staging_bytes"] + extra["resident_state_bytes"]
+        else:
+            on_device = state_bytes(model, dtype, master=False)
+        peak_train = peak_step = 2 * model_bytes + on_device
+    floor = bandwidth.floor_seconds(h2d, d2h, two_way) if h2d or d2h else None
+    return Result(mode, peak_train, peak_step, statistics.median(step_times), statistics.median(train_times),
+                  h2d, d2h, host, floor, extra)

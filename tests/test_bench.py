@@ -1,0 +1,96 @@
+"""python -m swap_optimizer.bench end to end on the CPU (quick mode): every
+mode, the JSON report, the plot, and argument errors. No timing assertions."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from swap_optimizer.bench.__main__ import main
+
+ROW_KEYS = {"mode", "kind", "swap_times", "num_arenas", "master_weights", "peak_train_bytes", "peak_step_bytes",
+            "step_ms", "train_step_ms", "h2d_bytes", "d2h_bytes", "host_bytes", "floor_ms", "step_over_floor"}
+
+
+def run(tmp_path, *extra):
+    report, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(["--quick", "--json", str(report), "--plot", str(plot), *extra]) == 0
+    return json.loads(report.read_text()), plot
+
+
+def test_quick_run_reports_every_mode(tmp_path, capsys):
+    report, plot = run(tmp_path)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+    names = [row["mode"] for row in report["modes"]]
+    assert names == ["resident"] + [f"swap s{s} a{a}" for a in (2, 3) for s in (2, 4, 8, 16)]
+    env = report["environment"]
+    assert env["torch"] and env["device"] == "cpu" and set(env["bandwidth_bytes_per_s"]) == {
+        "host_to_device", "device_to_host", "both_directions"}
+    assert all(v > 0 for v in env["bandwidth_bytes_per_s"].values())
+    assert report["model"]["preset"] == "micro" and report["model"]["params"] > 0
+    assert report["settings"]["memory"] == "runtime accounting"
+    params_bytes = report["model"]["params"] * 4
+    for row in report["modes"]:
+        assert ROW_KEYS <= row.keys()
+        assert row["step_ms"] > 0 and row["train_step_ms"] >= row["step_ms"]
+        if row["kind"] == "resident":
+            assert row["h2d_bytes"] == row["d2h_bytes"] == 0 and row["floor_ms"] is None
+            assert row["peak_step_bytes"] == 2 * params_bytes + 2 * params_bytes  # params, grads, two states
+        else:
+            # Every swap mode moves the whole swapped state each way, through arenas smaller than it.
+            assert row["h2d_bytes"] == row["d2h_bytes"] == row["host_bytes"] > 0
+            assert row["floor_ms"] > 0 and row["step_over_floor"] > 0
+            assert row["peak_staging_bytes"] <= min(row["num_arenas"], row["batches"]) * row["host_bytes"]
+    by_name = {row["mode"]: row for row in report["modes"]}
+    assert by_name["swap s16 a2"]["peak_train_bytes"] < by_name["resident"]["peak_train_bytes"]
+    out = capsys.readouterr().out
+    assert "CPU times" in out and "| swap s16 a3 |" in out and "copy bandwidth measured here" in out
+
+
+def test_bf16_runs_with_and_without_master_weights(tmp_path):
+    report, _ = run(tmp_path, "--dtype", "bf16", "--swap-times", "4", "--num-arenas", "3")
+    rows = {row["mode"]: row for row in report["modes"]}
+    assert set(rows) == {"resident", "swap s4 a3", "swap s4 a3+master"}
+    # fp32 masters and fp32 states: 12 bytes per param against 4 for bf16 states.
+    assert rows["swap s4 a3+master"]["h2d_bytes"] > 2.5 * rows["swap s4 a3"]["h2d_bytes"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "huge"], "invalid choice: 'huge'"),
+    (["--swap-times", "0,4"], "integers >= 1"),
+    (["--num-arenas", "1"], "integers >= 2"),
+    (["--dtype", "fp16"], "invalid choice: 'fp16'"),
+    (["--repeats", "5"], "at least 10"),
+    (["--plot", "out.jpg"], "ending in .png"),
+    (["--hidden", "100", "--heads", "3"], "not a multiple of --heads"),
+    (["--batch-size", "0"], "positive integer"),
+    (["--device", "tpu"], "expected cpu, cuda or cuda:N"),
+    (["--preset", "1.3b", "--batch-size", "64"], "needs about .* GiB .* free; pick a smaller --preset"),
+])
+def test_argument_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+# -P: the installed package, not the source folder beside the tests (no _C there).
+def test_runs_as_a_module():
+    out = subprocess.run([sys.executable, "-P", "-m", "swap_optimizer.bench", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--preset" in out.stdout, out.stderr
+
+
+def test_package_imports_without_importing_torch_first():
+    out = subprocess.run([sys.executable, "-P", "-c", "import swap_optimizer; print(swap_optimizer.SwapOptimizer)"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_cuda_without_a_gpu_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["--device", "cuda"])
+    assert "needs a GPU" in capsys.readouterr().err
