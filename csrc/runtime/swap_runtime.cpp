@@ -227,6 +227,8 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
 
   plan_ = plan_store(make_slot_specs(params_, group_of_param_, group_amsgrad_, swappable, options_),
                      options_.swap_keys, options_.swap_times);
+  // Streams, events, pinned slabs and the resident store belong to the params' device.
+  const c10::DeviceGuard guard(device_);  // a no-op for CPU
 
   arena_count_ = static_cast<int>(std::min(options_.num_arenas, plan_.rotating_batches));
   // One marker slot per arena plus one for the resident batch; copies in and
@@ -347,7 +349,7 @@ void SwapRuntime::step(const std::vector<std::optional<at::Tensor>>& grads,
     ready[i] = grad.contiguous();
   }
 
-  const c10::OptionalDeviceGuard guard(device_.is_cuda() ? std::optional<c10::Device>(device_) : std::nullopt);
+  const c10::DeviceGuard guard(device_);  // a no-op for CPU
   allocate_arenas();
   std::vector<int> slot_of_batch;
   int64_t rotating = 0;
