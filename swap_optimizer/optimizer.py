@@ -12,6 +12,11 @@ import torch
 from . import _C
 from .config import STATE_KEYS, SwapOptimizerConfig
 
+try:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # torch built without distributed support
+    DTensor = None
+
 _ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Flags that choose how torch runs the update, not what it computes: loading a
@@ -54,8 +59,35 @@ def _check_params(params: list[torch.Tensor], device: Optional[torch.device], fi
     return device
 
 
-def _owns_storage(p: torch.Tensor) -> bool:
-    return p.storage_offset() == 0 and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+def _is_dtensor(tensor: Any) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2 shards, for one), or the tensor itself."""
+    return tensor._local_tensor if _is_dtensor(tensor) else tensor
+
+
+def _like_param(view: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A state view as torch.optim would hold it: a DTensor with the param's mesh
+    and placements when the param is one, its local tensor being the view."""
+    if not _is_dtensor(param):
+        return view
+    return DTensor.from_local(view, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def _local_part(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of a saved state tensor that belongs to this rank's part of param."""
+    if not _is_dtensor(param):
+        return value.full_tensor() if _is_dtensor(value) else value
+    if _is_dtensor(value):
+        if value.device_mesh != param.device_mesh or value.placements != param.placements:
+            value = value.redistribute(param.device_mesh, param.placements)
+        return value.to_local()
+    # A full tensor (every rank holds all of it): take this rank's part, no communication.
+    return distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements,
+                             src_data_rank=None).to_local()
 
 
 def _as_step_value(value: Any, where: str) -> float:
@@ -116,9 +148,11 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
+    @torch.no_grad()
     def _build_runtime(self, previous: dict, source: str) -> None:
-        """Lays out the stores for the current params and fills them from
-        `previous` (param -> state dict), zeros where absent."""
+        """Lays out the stores for the current params (this rank's parts of
+        DTensors) and fills them from `previous` (param -> state dict), zeros
+        where absent."""
         params = self._params()
         group_of_param = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         group_amsgrad = [bool(group["amsgrad"]) for group in self.param_groups]
@@ -126,19 +160,20 @@ class SwapOptimizer(torch.optim.Optimizer):
         updates = [(index_of[p], self._checked_state(index_of[p], p, entry, group_amsgrad[group_of_param[index_of[p]]],
                                                       f"{source}, param {index_of[p]}"))
                    for p, entry in previous.items() if p in index_of and entry]
-        swappable = [p.numel() >= self.config.min_numel and p.is_contiguous() and _owns_storage(p) for p in params]
+        local_params = [_local(p) for p in params]
+        swappable = [p.numel() >= self.config.min_numel and p.is_contiguous() for p in local_params]
         swap_keys = [self.config.swaps(key) for key in STATE_KEYS]
         swap_times = self.config.swap_times
         if self.config.staging_budget_bytes is not None:
             swap_times, smallest = _C.smallest_swap_times_for_budget(
-                params, group_of_param, group_amsgrad, swappable, state_dtype=self.config.state_dtype,
+                local_params, group_of_param, group_amsgrad, swappable, state_dtype=self.config.state_dtype,
                 master_weights=self.config.master_weights, swap_keys=swap_keys,
                 num_arenas=self.config.num_arenas, budget_bytes=self.config.staging_budget_bytes)
             if swap_times < 0:
                 raise ValueError(f"SwapOptimizerConfig.staging_budget_bytes={self.config.staging_budget_bytes} is too "
                                  f"small: even one param per batch needs {smallest} bytes of staging arenas; raise "
                                  "the budget, or keep more params resident with a larger min_numel")
-        runtime = _C.SwapRuntime(params, group_of_param, group_amsgrad, swappable, swap_times=swap_times,
+        runtime = _C.SwapRuntime(local_params, group_of_param, group_amsgrad, swappable, swap_times=swap_times,
                                  num_arenas=self.config.num_arenas, state_dtype=self.config.state_dtype,
                                  master_weights=self.config.master_weights, pin_memory=self.config.pin_memory,
                                  keep_arenas=self.config.keep_arenas, swap_keys=swap_keys)
@@ -152,7 +187,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         state = self.__dict__["_state"]
         state.clear()
         for p, view in zip(params, views):
-            state[p] = view
+            state[p] = {key: value if key == "step" else _like_param(value, p) for key, value in view.items()}
+        self._views = views  # this rank's store views, param by param
         self._runtime = runtime
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
 
@@ -192,9 +228,9 @@ class SwapOptimizer(torch.optim.Optimizer):
                     if key not in view:
                         continue
                     if key in saved:
-                        view[key].copy_(saved[key])
+                        view[key].copy_(_local_part(saved[key], p))
                     elif key == "master_param":
-                        view[key].copy_(p)
+                        view[key].copy_(_local(p))
                     else:
                         view[key].zero_()
 
@@ -217,8 +253,10 @@ class SwapOptimizer(torch.optim.Optimizer):
             group_args.append((float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                                float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]),
                                bool(decoupled)))
-        grads = [p.grad for g in groups for p in g["params"]]
-        self._runtime.step(grads, group_args, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        params = [p for g in groups for p in g["params"]]
+        grads = [None if p.grad is None else _local(p.grad) for p in params]
+        self._runtime.step([_local(p) for p in params], grads, group_args, getattr(self, "grad_scale", None),
+                           getattr(self, "found_inf", None))
         return None
 
     def add_param_group(self, param_group: dict) -> None:  # noqa: D102  (torch.optim API)
@@ -288,7 +326,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         # Everything is checked: write.
         self._runtime.synchronize()
         groups[:] = new_groups
-        self._write_states(params, [self._state[p] for p in params], values)
+        self._write_states(params, self._views, values)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

@@ -176,16 +176,18 @@ def test_state_keys_keep_the_rest_resident(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_non_contiguous_and_view_params_stay_resident(device):
+def test_strided_params_stay_resident_and_views_are_swapped(device):
     torch.manual_seed(5)
     strided = torch.randn(48, 64, device=device).t().requires_grad_()  # non-contiguous, 3072 elements
     flat = torch.randn(4096, device=device)
-    view = flat[:2048].detach().requires_grad_()  # does not own its storage
+    rest = flat[2048:].clone()
+    view = flat[:2048].detach().requires_grad_()  # a view, like an FSDP2 shard of a padded buffer
     plain_params = [strided.detach().clone().requires_grad_(), view.detach().clone().requires_grad_()]
     ours = swap_optimizer("adamw", [strided, view], swap_times=2)
     plain = plain_optimizer("adamw", plain_params)
     plan = ours._batch_plan()
-    assert [b["params"] for b in plan if b["resident"]] == [[0, 1]]
+    assert [b["params"] for b in plan if b["resident"]] == [[0]]
+    assert [b["params"] for b in plan if not b["resident"]] == [[1]]
     for step in range(5):
         for p, q in zip([strided, view], plain_params):
             g = torch.randn(p.shape, device=device)
@@ -195,3 +197,4 @@ def test_non_contiguous_and_view_params_stay_resident(device):
     assert not strided.is_contiguous()
     for p, q in zip([strided, view], plain_params):
         assert_close(p, q, rtol=1e-5, atol=1e-7)
+    assert torch.equal(flat[:2048], view.detach()) and torch.equal(flat[2048:], rest)

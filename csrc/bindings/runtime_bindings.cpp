@@ -71,7 +71,8 @@ void bind_runtime(py::module& module) {
            },
            py::arg("param"))
       .def("step",
-           [](SwapRuntime& self, const std::vector<std::optional<at::Tensor>>& grads,
+           [](SwapRuntime& self, const std::vector<at::Tensor>& params,
+              const std::vector<std::optional<at::Tensor>>& grads,
               const std::vector<GroupArgs>& groups, const std::optional<at::Tensor>& grad_scale,
               const std::optional<at::Tensor>& found_inf) {
              std::vector<PackedUpdateArgs> group_args;
@@ -85,9 +86,9 @@ void bind_runtime(py::module& module) {
                if (PyErr_CheckSignals() != 0) throw py::error_already_set();
              };
              py::gil_scoped_release no_gil;
-             self.step(grads, group_args, grad_scale, found_inf, check_interrupt);
+             self.step(params, grads, group_args, grad_scale, found_inf, check_interrupt);
            },
-           py::arg("grads"), py::arg("groups"), py::arg("grad_scale") = py::none(),
+           py::arg("params"), py::arg("grads"), py::arg("groups"), py::arg("grad_scale") = py::none(),
            py::arg("found_inf") = py::none())
       .def("synchronize",
            [](SwapRuntime& self) {

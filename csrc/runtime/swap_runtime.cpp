@@ -304,15 +304,15 @@ void SwapRuntime::release_arenas() {
   stats_.staging_bytes = 0;
 }
 
-void SwapRuntime::step(const std::vector<std::optional<at::Tensor>>& grads,
+void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<std::optional<at::Tensor>>& grads,
                        const std::vector<PackedUpdateArgs>& group_args,
                        const std::optional<at::Tensor>& grad_scale,
                        const std::optional<at::Tensor>& found_inf,
                        const std::function<void()>& check_interrupt) {
   // Everything the op could reject is checked here, before any batch moves.
   const size_t count = params_.size();
-  TORCH_CHECK_VALUE(grads.size() == count, "SwapOptimizer: ", grads.size(), " grads for ", count,
-                    " params");
+  TORCH_CHECK_VALUE(params.size() == count && grads.size() == count, "SwapOptimizer: ", params.size(),
+                    " params and ", grads.size(), " grads for a state laid out for ", count, " params");
   TORCH_CHECK_VALUE(group_args.size() == group_amsgrad_.size(), "SwapOptimizer: hyper-parameters for ",
                     group_args.size(), " param groups, but there are ", group_amsgrad_.size());
   for (size_t g = 0; g < group_args.size(); ++g) {
@@ -327,7 +327,7 @@ void SwapRuntime::step(const std::vector<std::optional<at::Tensor>>& grads,
   check_amp_scalar(found_inf, "found_inf", device_);
   std::vector<at::Tensor> ready(count);
   for (size_t i = 0; i < count; ++i) {
-    const at::Tensor& param = params_[i];
+    const at::Tensor& param = params[i];
     TORCH_CHECK_VALUE(param.device() == device_ && param.scalar_type() == param_dtype_[i] &&
                           param.sizes() == c10::IntArrayRef(param_shape_[i]),
                       "SwapOptimizer: param ", i, " is now ", param.scalar_type(), " ",
@@ -349,6 +349,7 @@ void SwapRuntime::step(const std::vector<std::optional<at::Tensor>>& grads,
     ready[i] = grad.contiguous();
   }
 
+  params_ = params;
   const c10::DeviceGuard guard(device_);  // a no-op for CPU
   allocate_arenas();
   std::vector<int> slot_of_batch;

@@ -81,10 +81,12 @@ class SwapRuntime {
   // "master_param". Swapped states are host tensors, resident ones device tensors.
   std::vector<std::pair<std::string, at::Tensor>> state_views(int64_t param) const;
 
-  // One optimizer step. grads[i] is param i's grad or none (skipped, as torch
-  // skips it); group_args[g] are group g's hyper-parameters this step.
-  // check_interrupt runs between batches and may throw to stop the step.
-  void step(const std::vector<std::optional<at::Tensor>>& grads,
+  // One optimizer step. params are the params now (the same dtypes, shapes and
+  // device as at construction; a framework may have swapped the tensor objects);
+  // grads[i] is param i's grad or none (skipped, as torch skips it);
+  // group_args[g] are group g's hyper-parameters this step. check_interrupt
+  // runs between batches and may throw to stop the step.
+  void step(const std::vector<at::Tensor>& params, const std::vector<std::optional<at::Tensor>>& grads,
             const std::vector<PackedUpdateArgs>& group_args,
             const std::optional<at::Tensor>& grad_scale,
             const std::optional<at::Tensor>& found_inf,

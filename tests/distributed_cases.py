@@ -1,0 +1,181 @@
+"""Multi-process cases for tests/test_distributed.py: each runs on 2 ranks
+spawned here, on 127.0.0.1 with a free port, and asserts inside the ranks.
+
+    python distributed_cases.py CASE WORK_DIR [gloo|nccl]
+
+Tolerances: SwapOptimizer against the plain optimizer in the same setting,
+rtol 1e-5 / atol 1e-6 (fp32); checkpoint round trips are bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.testing import assert_close
+
+from swap_optimizer import SwapOptimizer
+
+WORLD = 2
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def build(device, dtype=torch.float32):
+    torch.manual_seed(0)
+    # 33 rows: shards of 17 and 16 rows, so rank 1's shard is a view of a padded buffer.
+    return nn.Sequential(nn.Linear(24, 64), nn.GELU(), nn.Linear(64, 33), nn.GELU(), nn.Linear(33, 8)).to(device, dtype)
+
+
+def shard(model, mp_policy=None):
+    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def train(model, optimizer, steps, first_step, device, rank):
+    for step in range(first_step, first_step + steps):
+        generator = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own data
+        x = torch.randn(16, 24, generator=generator).to(device)
+        optimizer.zero_grad()
+        model(x.to(next(model.parameters()).dtype)).float().square().mean().backward()
+        optimizer.step()
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def assert_models_close(model, reference, **tolerance):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close(local(p.detach()), local(q.detach()), **tolerance, msg=lambda m: f"{name}: {m}")
+
+
+def case_fsdp2(rank, device, work_dir):
+    model, reference = shard(build(device)), shard(build(device))
+    ours = SwapOptimizer(adamw(model.parameters()), swap_times=3, min_numel=64)
+    plain = adamw(reference.parameters())
+    train(model, ours, 6, 0, device, rank)
+    train(reference, plain, 6, 0, device, rank)
+    assert_models_close(model, reference, **TOL)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert isinstance(p, DTensor)
+        for key in ("exp_avg", "exp_avg_sq"):
+            state = ours.state[p][key]
+            assert isinstance(state, DTensor) and state.placements == p.placements and state.shape == p.shape
+            assert_close(state.to_local().to(device), plain.state[q][key].to_local(), **TOL)
+        assert ours.state[p]["step"].item() == 6
+    # Each rank holds the states of its own shards only: half of the whole.
+    local_numel = sum(local(p).numel() for p in model.parameters())
+    swapped = sum(local(p).numel() for p in model.parameters() if local(p).numel() >= 64)
+    stats = ours.memory_stats()
+    assert swapped * 8 <= stats["host_state_bytes"] < swapped * 8 + 256 * 16
+    assert stats["resident_state_bytes"] < (local_numel - swapped) * 8 + 256 * 16
+    assert local_numel < sum(p.numel() for p in model.parameters()) * 0.6
+
+
+def case_fsdp2_checkpoint(rank, device, work_dir):
+    model = shard(build(device))
+    ours = SwapOptimizer(adamw(model.parameters()), swap_times=2, min_numel=64)
+    train(model, ours, 4, 0, device, rank)
+    model_state, optim_state = get_state_dict(model, ours)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(work_dir, "checkpoint"))
+
+    # A full (gathered) state dict on rank 0 has the global shapes.
+    full = get_optimizer_state_dict(model, ours, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        names = [name for name, _ in model.named_parameters()]
+        for name, p in zip(names, model.parameters()):
+            entry = full["state"][name]
+            assert not isinstance(entry["exp_avg"], DTensor) and entry["exp_avg"].shape == p.shape
+            assert entry["step"].item() == 4
+
+    resumed = shard(build(device))
+    resumed_optimizer = SwapOptimizer(adamw(resumed.parameters()), swap_times=3, min_numel=64)
+    model_state, optim_state = get_state_dict(resumed, resumed_optimizer)
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=os.path.join(work_dir, "checkpoint"))
+    set_state_dict(resumed, resumed_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    train(model, ours, 3, 4, device, rank)
+    train(resumed, resumed_optimizer, 3, 4, device, rank)
+    assert_models_close(resumed, model, rtol=0, atol=0)
+
+
+def case_fsdp2_mixed_precision(rank, device, work_dir):
+    """bf16 params, fp32 gradient reduction, fp32 master weights and states."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = shard(build(device, torch.bfloat16), policy)
+    reference = shard(build(device, torch.bfloat16).float(), policy)  # fp32 shards, the same bf16 compute
+    ours = SwapOptimizer(adamw(model.parameters()), swap_times=2, min_numel=64, master_weights=True,
+                         state_dtype=torch.float32)
+    plain = adamw(reference.parameters())
+    train(model, ours, 5, 0, device, rank)
+    train(reference, plain, 5, 0, device, rank)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        master = ours.state[p]["master_param"]
+        assert isinstance(master, DTensor) and master.dtype == torch.float32
+        assert torch.equal(local(p.detach()), master.to_local().to(device).to(torch.bfloat16))
+        # FSDP2 hands bf16 params bf16 grads (reduced in fp32, then rounded): the
+        # master follows the fp32 run up to that rounding.
+        assert_close(master.to_local().to(device), local(q.detach()), rtol=1e-2, atol=2e-3)
+
+
+def case_ddp(rank, device, work_dir):
+    model = DistributedDataParallel(build(device))
+    reference = DistributedDataParallel(build(device))
+    ours = SwapOptimizer(adamw(model.parameters()), swap_times=2, num_arenas=3, min_numel=64)
+    plain = adamw(reference.parameters())
+    train(model, ours, 6, 0, device, rank)
+    train(reference, plain, 6, 0, device, rank)
+    assert_models_close(model, reference, **TOL)
+    # Replicas stay identical across ranks.
+    for p in model.parameters():
+        gathered = [torch.empty_like(p) for _ in range(WORLD)]
+        dist.all_gather(gathered, p.detach())
+        assert torch.equal(gathered[0], gathered[1])
+
+
+CASES = {"fsdp2": case_fsdp2, "fsdp2_checkpoint": case_fsdp2_checkpoint,
+         "fsdp2_mixed_precision": case_fsdp2_mixed_precision, "ddp": case_ddp}
+
+
+def run_rank(rank, case, work_dir, backend, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=WORLD)
+    try:
+        CASES[case](rank, device, work_dir)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    case, work_dir = sys.argv[1], sys.argv[2]
+    backend = sys.argv[3] if len(sys.argv) > 3 else "gloo"
+    mp.spawn(run_rank, args=(case, work_dir, backend, free_port()), nprocs=WORLD)
+    print(f"{case} on {backend}: passed on {WORLD} ranks")

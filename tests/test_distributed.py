@@ -1,0 +1,33 @@
+"""SwapOptimizer under FSDP2 (DTensor shards) and DDP, on 2 ranks spawned by
+tests/distributed_cases.py (gloo on 127.0.0.1; nccl variants need 2 GPUs)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+CASES = ["fsdp2", "fsdp2_checkpoint", "fsdp2_mixed_precision", "ddp"]
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_cases.py")
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch was built without torch.distributed")
+
+
+def run_case(case, backend, tmp_path):
+    out = subprocess.run([sys.executable, SCRIPT, case, str(tmp_path), backend], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, f"{case} on {backend} failed:\n{out.stdout}\n{out.stderr[-6000:]}"
+    assert f"{case} on {backend}: passed" in out.stdout
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_gloo(case, tmp_path):
+    run_case(case, "gloo", tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 CUDA GPUs and NCCL")
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_nccl(case, tmp_path):
+    run_case(case, "nccl", tmp_path)
