@@ -2,7 +2,8 @@
 
 CUDA sources are compiled whenever torch is a CUDA build and nvcc is found, even
 on a machine without a GPU; otherwise, or with SWAP_OPTIMIZER_CPU_ONLY=1, a
-CPU-only extension is built. TORCH_CUDA_ARCH_LIST defaults to 8.0;9.0+PTX only
+CPU-only extension is built; SWAP_OPTIMIZER_SANITIZE=address,undefined builds an
+instrumented CPU-only one. TORCH_CUDA_ARCH_LIST defaults to 8.0;9.0+PTX only
 when the user has not set it. MAX_JOBS is honoured by torch's ninja build.
 """
 
@@ -27,8 +28,14 @@ def _sources(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
 
 
+def _sanitizers():
+    """SWAP_OPTIMIZER_SANITIZE=address,undefined builds an instrumented CPU-only
+    extension (tests/cpp/run_sanitizers.sh runs the CPU suite on it)."""
+    return os.environ.get("SWAP_OPTIMIZER_SANITIZE", "")
+
+
 def _want_cuda():
-    if os.environ.get("SWAP_OPTIMIZER_CPU_ONLY", "0") == "1":
+    if os.environ.get("SWAP_OPTIMIZER_CPU_ONLY", "0") == "1" or _sanitizers():
         return False
     import torch
 
@@ -45,6 +52,12 @@ def _extension():
     # OpenMP, as torch itself is; without it the CPU kernel is single-threaded.
     cxx_flags = ["-O3", "-ffp-contract=off", "-fopenmp", "-Wno-unknown-pragmas"]
     link_flags = ["-fopenmp"]
+    if _sanitizers():
+        # vptr checks need RTTI from torch, which is not instrumented: off.
+        sanitize = [f"-fsanitize={_sanitizers()}", "-fno-sanitize=vptr", "-fno-omit-frame-pointer",
+                    "-fno-sanitize-recover=all"]
+        cxx_flags = ["-O1", "-g", "-ffp-contract=off", "-fopenmp", "-Wno-unknown-pragmas"] + sanitize
+        link_flags += sanitize
     sources = _sources("csrc/kernels/*.cpp") + _sources("csrc/kernels/cpu/*.cpp")
     sources += _sources("csrc/runtime/*.cpp") + _sources("csrc/bindings/*.cpp")
     macros = []

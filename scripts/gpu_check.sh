@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check, for one run on a GPU machine (an H200 with torch 2.11, no
-# network): build the extension there, run the GPU tests, the kernel benchmark
-# and the peak-memory benchmark (1.3b preset, bf16 with and without master
-# weights, and fp32), and print a short table last. Logs and JSON go to $OUT
-# (8 files at most). Each stage has its own time limit so the whole script ends
-# within about 8 minutes and always prints what it has.
+# network): build the extension there, run the GPU tests, compute-sanitizer
+# memcheck and racecheck on a short training run, the kernel benchmark and the
+# peak-memory benchmark (1.3b preset, bf16 with and without master weights, and
+# fp32), and print a short table last. Logs and JSON go to $OUT (8 files:
+# build.log, checks.log, kernel_bench.json, bench.log, bench_bf16.json,
+# bench_bf16.png, bench_fp32.json, summary.txt). Each stage has its own time
+# limit, so the script always ends (typically in 5 to 7 minutes, 9 at worst) and
+# prints what it has.
 #
 #   OUT=/tmp/gpu_out bash scripts/gpu_check.sh
 set -uo pipefail
@@ -17,7 +20,8 @@ status=0
 stage() {  # stage NAME SECONDS LOG COMMAND...: runs one stage, records its exit status
   local name=$1 limit=$2 log=$3; shift 3
   echo "== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
-  timeout "$limit" "$@" >"$log" 2>&1
+  echo "== $name" >>"$log"
+  timeout "$limit" "$@" >>"$log" 2>&1
   local rc=$?
   echo "   exit $rc"
   [ $rc -eq 0 ] || status=1
@@ -28,25 +32,47 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 # Offline: no dependency resolution, build against the torch that is there.
-stage build 180 "$OUT/build.log" "$PY" -m pip install -v --no-build-isolation --no-deps --no-index . \
+stage build 150 "$OUT/build.log" "$PY" -m pip install -v --no-build-isolation --no-deps --no-index . \
   || { tail -30 "$OUT/build.log"; exit 1; }
 "$PY" -c "import swap_optimizer as so; assert so.built_with_cuda(), 'no CUDA kernels in this build'"
 
 # The suite's CUDA variants (ids ending in cuda) and the GPU-only tests, from
 # the tests folder so the installed package is imported.
-stage gpu-tests 90 "$OUT/gpu_tests.log" "$PY" -m pytest -q -p no:cacheprovider tests -k "cuda or gpu" -rs
-tail -3 "$OUT/gpu_tests.log"
+stage gpu-tests 75 "$OUT/checks.log" "$PY" -m pytest -q -p no:cacheprovider tests -k "cuda or gpu" -rs
+tail -3 "$OUT/checks.log"
 
-stage kernel-bench 45 "$OUT/kernel_bench.log" "$PY" benchmarks/kernel_bench.py --device cuda --json "$OUT/kernel_bench.json"
+# compute-sanitizer on a short run: both pipelines (one and two copy streams),
+# the fused kernels, the resident batch; any finding fails the stage.
+sanitizer_run=$(mktemp --suffix=.py)
+cat >"$sanitizer_run" <<'PYEOF'
+import torch
+from swap_optimizer import SwapOptimizer
+torch.manual_seed(0)
+for arenas in (2, 3):
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda()
+    opt = SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), swap_times=3, num_arenas=arenas, min_numel=300)
+    for _ in range(2):
+        model(torch.randn(8, 256, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.state_dict()
+torch.cuda.synchronize()
+print("sanitizer run done")
+PYEOF
+for tool in memcheck racecheck; do
+  stage "compute-sanitizer $tool" 40 "$OUT/checks.log" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+    "$PY" -P "$sanitizer_run"
+done
+
+stage kernel-bench 45 "$OUT/checks.log" "$PY" benchmarks/kernel_bench.py --device cuda --json "$OUT/kernel_bench.json"
 
 # 1.3b: 5.3 GB of bf16 state, 15.8 GB with fp32 masters and states, 10.5 GB in
 # fp32, moved each way every step; host stores are pinned afresh for each mode.
 BENCH=(--device cuda --preset 1.3b --num-arenas 2,3 --warmup 2 --repeats 10)
-stage bench-bf16 110 "$OUT/bench.log" "$PY" -P -m swap_optimizer.bench "${BENCH[@]}" --dtype bf16 --swap-times 8 \
+stage bench-bf16 100 "$OUT/bench.log" "$PY" -P -m swap_optimizer.bench "${BENCH[@]}" --dtype bf16 --swap-times 8 \
   --json "$OUT/bench_bf16.json" --plot "$OUT/bench_bf16.png"
-stage bench-fp32 100 "$OUT/bench_fp32.log" "$PY" -P -m swap_optimizer.bench "${BENCH[@]}" --dtype fp32 \
+stage bench-fp32 80 "$OUT/bench.log" "$PY" -P -m swap_optimizer.bench "${BENCH[@]}" --dtype fp32 \
   --swap-times 8,16 --json "$OUT/bench_fp32.json"
-cat "$OUT/bench_fp32.log" >>"$OUT/bench.log" && rm -f "$OUT/bench_fp32.log"
 
 "$PY" - "$OUT" <<'PYEOF' | tee "$OUT/summary.txt"
 import json, os, sys

@@ -337,9 +337,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         return self._runtime.memory_stats()
 
     def _set_test_hooks(self, copy_delay_us: int = 0, seed: int = 0, fault: Optional[str] = None,
-                        fault_batch: int = -1) -> None:
-        """Tests only: random copy delays (host backend) and one injected failure."""
-        self._runtime.set_test_hooks(copy_delay_us=copy_delay_us, seed=seed, fault=fault, fault_batch=fault_batch)
+                        fault_batch: int = -1, simulated_free_bytes: int = -1) -> None:
+        """Tests only: random copy delays (host backend), one injected failure,
+        and arenas allocated as if the device had simulated_free_bytes free."""
+        self._runtime.set_test_hooks(copy_delay_us=copy_delay_us, seed=seed, fault=fault, fault_batch=fault_batch,
+                                     simulated_free_bytes=simulated_free_bytes)
 
     def _batch_plan(self) -> list[dict]:
         return self._runtime.batch_plan()

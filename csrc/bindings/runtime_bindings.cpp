@@ -128,12 +128,16 @@ void bind_runtime(py::module& module) {
            "The batches in pipeline order: param indices, host and arena bytes.")
       .def("set_test_hooks",
            [](SwapRuntime& self, int64_t copy_delay_us, uint64_t seed,
-              const std::optional<std::string>& fault, int64_t fault_batch) {
-             self.set_test_hooks({copy_delay_us, seed, parse_fault(fault), fault_batch});
+              const std::optional<std::string>& fault, int64_t fault_batch, int64_t simulated_free_bytes) {
+             self.set_test_hooks({copy_delay_us, seed, parse_fault(fault), fault_batch, simulated_free_bytes});
            },
            py::arg("copy_delay_us") = 0, py::arg("seed") = 0, py::arg("fault") = py::none(),
-           py::arg("fault_batch") = -1,
-           "Test only: random copy delays (host backend) and one injected failure.");
+           py::arg("fault_batch") = -1, py::arg("simulated_free_bytes") = -1,
+           "Test only: random copy delays (host backend), one injected failure, and arenas allocated as if the "
+           "device had simulated_free_bytes free.");
+
+  module.def("_simulate_pin_failure", &runtime::simulate_pin_failure, py::arg("enabled"),
+             "Test only: while enabled, pinning host memory fails as if the driver refused it.");
 
   module.def(
       "measure_copy_bandwidth",

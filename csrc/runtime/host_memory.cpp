@@ -10,13 +10,18 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include <unistd.h>
+
 namespace swap_optimizer::runtime {
 namespace {
+
+std::atomic<bool> pin_failure_simulated{false};
 
 void* allocate_pageable(int64_t bytes) {
   void* pointer = nullptr;
@@ -47,7 +52,7 @@ at::Tensor allocate_host_slab(int64_t bytes, bool try_pin, bool* pinned) {
   void* pointer = nullptr;
   *pinned = false;
 #ifdef SWAP_OPTIMIZER_WITH_CUDA
-  if (try_pin) {
+  if (try_pin && !pin_failure_simulated.load()) {
     pointer = allocate_pinned(bytes);
     *pinned = pointer != nullptr;
   }
@@ -64,6 +69,8 @@ at::Tensor allocate_host_slab(int64_t bytes, bool try_pin, bool* pinned) {
   return at::from_blob(pointer, {bytes}, release, at::TensorOptions().dtype(at::kByte));
 }
 
+void simulate_pin_failure(bool enabled) { pin_failure_simulated.store(enabled); }
+
 std::unique_ptr<Transport> make_transport(const c10::Device& device, int slots, bool separate_copy_queues) {
   if (device.is_cpu()) return std::make_unique<HostTransport>(slots, separate_copy_queues);
 #ifdef SWAP_OPTIMIZER_WITH_CUDA
@@ -73,6 +80,13 @@ std::unique_ptr<Transport> make_transport(const c10::Device& device, int slots, 
                     device.is_cuda() ? "has no CUDA support; reinstall it with a CUDA build of torch and nvcc "
                                        "available (pip install --no-build-isolation .)"
                                      : "supports only CPU and CUDA tensors");
+}
+
+int64_t free_device_bytes(const c10::Device& device) {
+#ifdef SWAP_OPTIMIZER_WITH_CUDA
+  if (device.is_cuda()) return cuda_free_bytes(device.index());
+#endif
+  return static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGESIZE);
 }
 
 CopyBandwidth measure_copy_bandwidth(const c10::Device& device, int64_t bytes, int repeats) {

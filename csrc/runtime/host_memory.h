@@ -15,10 +15,19 @@ namespace swap_optimizer::runtime {
 // the driver allows it (*pinned says which). Its views keep it alive.
 at::Tensor allocate_host_slab(int64_t bytes, bool try_pin, bool* pinned);
 
+// Test hook: while set, every attempt to pin host memory fails as if the driver
+// had refused it.
+void simulate_pin_failure(bool enabled);
+
 // The transport for `device`: CUDA streams and events, or the host backend's
 // worker threads for CPU. Fails with a clear error for a CUDA device in a
 // build without CUDA.
 std::unique_ptr<Transport> make_transport(const c10::Device& device, int slots, bool separate_copy_queues);
+
+// Bytes that allocations on `device` can still get: the driver's free memory
+// plus what PyTorch's caching allocator holds unused (CUDA), or the host's
+// available memory (CPU).
+int64_t free_device_bytes(const c10::Device& device);
 
 struct CopyBandwidth {
   double host_to_device;  // bytes per second

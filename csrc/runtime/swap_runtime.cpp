@@ -225,8 +225,8 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
     param_shape_.push_back(params_[i].sizes().vec());
   }
 
-  plan_ = plan_store(make_slot_specs(params_, group_of_param_, group_amsgrad_, swappable, options_),
-                     options_.swap_keys, options_.swap_times);
+  specs_ = make_slot_specs(params_, group_of_param_, group_amsgrad_, swappable, options_);
+  plan_ = plan_store(specs_, options_.swap_keys, options_.swap_times);
   // Streams, events, pinned slabs and the resident store belong to the params' device.
   const c10::DeviceGuard guard(device_);  // a no-op for CPU
 
@@ -283,19 +283,30 @@ at::Tensor SwapRuntime::arena_for(int64_t batch, int slot) const {
 void SwapRuntime::allocate_arenas() {
   if (!arenas_.empty() || arena_count_ == 0) return;
   const int64_t bytes = plan_.staging_arena_bytes;
+  const int64_t total = arena_count_ * bytes;
+  const int64_t simulated_free = hooks_.simulated_free_bytes;
   try {
+    TORCH_CHECK_WITH(OutOfMemoryError, simulated_free < 0 || total <= simulated_free,
+                     "test hook: the device has ", simulated_free, " bytes free");
     for (int i = 0; i < arena_count_; ++i) {
       arenas_.push_back(at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_)));
     }
   } catch (const c10::OutOfMemoryError& error) {
     arenas_.clear();
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "SwapOptimizer: no room on ", device_, " for ",
-                     arena_count_, " staging arenas of ", bytes, " bytes (", arena_count_ * bytes,
-                     " bytes in all); the optimizer state is unchanged. Use a larger swap_times "
-                     "(now ", options_.swap_times, "), num_arenas=2, or staging_budget_bytes to pick "
-                     "swap_times for you. ", error.what_without_backtrace());
+    // Advice from what is free now: the smallest split whose two arenas fit.
+    const int64_t free = simulated_free >= 0 ? simulated_free : free_device_bytes(device_);
+    int64_t smallest = 0;
+    const int64_t fits = smallest_swap_times_for_budget(specs_, options_.swap_keys, 2, free, &smallest);
+    const std::string advice =
+        fits > 0 ? "swap_times=" + std::to_string(fits) + " with num_arenas=2 fits (or set staging_budget_bytes)"
+                 : "even one param per batch needs " + std::to_string(smallest) +
+                       " bytes of arenas: free device memory, or keep more params resident with a larger min_numel";
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "SwapOptimizer: no room on ", device_, " for ", arena_count_,
+                     " staging arenas of ", bytes, " bytes (", total, " bytes in all, ", free,
+                     " bytes free) with swap_times=", options_.swap_times, " and num_arenas=", options_.num_arenas,
+                     "; ", advice, ". The optimizer state is unchanged. (", error.what_without_backtrace(), ")");
   }
-  stats_.staging_bytes = arena_count_ * bytes;
+  stats_.staging_bytes = total;
   stats_.peak_staging_bytes = std::max(stats_.peak_staging_bytes, stats_.staging_bytes);
 }
 

@@ -48,6 +48,8 @@ struct TestHooks {
   uint64_t seed = 0;
   FaultPoint fault = FaultPoint::kNone;
   int64_t fault_batch = -1;  // index in pipeline order (the resident batch, if any, is 0)
+  // >= 0: allocate arenas as if the device had this many bytes free.
+  int64_t simulated_free_bytes = -1;
 };
 
 // The layout inputs of each param (shared by the runtime and the budget search).
@@ -115,6 +117,7 @@ class SwapRuntime {
   std::vector<std::vector<int64_t>> param_shape_;
   c10::Device device_;
   RuntimeOptions options_;
+  std::vector<SlotSpec> specs_;
   StorePlan plan_;
   std::vector<at::Tensor> layouts_;    // per batch: the op's layout table, rows in batch order
   std::vector<at::Tensor> host_slabs_; // per batch: its host region

@@ -1,5 +1,6 @@
 #include "cuda_transport.h"
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -94,5 +95,15 @@ void* allocate_pinned(int64_t bytes) {
 }
 
 void free_pinned(void* pointer) noexcept { C10_CUDA_IGNORE_ERROR(cudaFreeHost(pointer)); }
+
+int64_t cuda_free_bytes(c10::DeviceIndex device) {
+  const c10::cuda::CUDAGuard guard(device);
+  size_t free = 0, total = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+  constexpr size_t kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  const int64_t cached = stats.reserved_bytes[kAll].current - stats.allocated_bytes[kAll].current;
+  return static_cast<int64_t>(free) + cached;
+}
 
 }  // namespace swap_optimizer::runtime

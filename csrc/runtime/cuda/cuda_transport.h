@@ -19,4 +19,8 @@ std::unique_ptr<Transport> make_cuda_transport(c10::DeviceIndex device, int slot
 void* allocate_pinned(int64_t bytes);
 void free_pinned(void* pointer) noexcept;
 
+// The driver's free memory on `device` plus what the caching allocator has
+// reserved there but not handed out.
+int64_t cuda_free_bytes(c10::DeviceIndex device);
+
 }  // namespace swap_optimizer::runtime
