@@ -64,10 +64,13 @@ class SwapOptimizerConfig:
         if self.staging_budget_bytes is not None:
             _check_int("staging_budget_bytes", self.staging_budget_bytes, 1)
         if self.state_keys is not None:
-            if isinstance(self.state_keys, str) or not all(isinstance(k, str) for k in self.state_keys):
+            if isinstance(self.state_keys, str) or not hasattr(self.state_keys, "__iter__"):
                 raise ValueError("SwapOptimizerConfig.state_keys must be None or a sequence of names "
                                  f"from {STATE_KEYS}, got {self.state_keys!r}")
-            keys = tuple(self.state_keys)
+            keys = tuple(self.state_keys)  # read once: it may be a generator
+            if not all(isinstance(k, str) for k in keys):
+                raise ValueError("SwapOptimizerConfig.state_keys must be None or a sequence of names "
+                                 f"from {STATE_KEYS}, got {keys!r}")
             unknown = [k for k in keys if k not in STATE_KEYS]
             if unknown:
                 raise ValueError(f"SwapOptimizerConfig.state_keys: unknown state key(s) {unknown}; "

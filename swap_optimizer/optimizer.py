@@ -3,6 +3,7 @@ memory, streamed through a few device staging arenas during step()."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from typing import Any, Optional
@@ -14,6 +15,7 @@ from .config import STATE_KEYS, SwapOptimizerConfig
 
 try:
     from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 except ImportError:  # torch built without distributed support
     DTensor = None
 
@@ -73,8 +75,11 @@ def _like_param(view: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     and placements when the param is one, its local tensor being the view."""
     if not _is_dtensor(param):
         return view
-    return DTensor.from_local(view, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    # Built directly, as FSDP2 builds its CPU-offloaded shards: DTensor.from_local
+    # would copy a host view to the mesh's device, cutting it off from the store.
+    spec = DTensorSpec(param.device_mesh, param.placements,
+                       tensor_meta=TensorMeta(param.shape, param.stride(), view.dtype))
+    return DTensor(view, spec, requires_grad=False)
 
 
 def _local_part(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -184,13 +189,44 @@ class SwapOptimizer(torch.optim.Optimizer):
                           RuntimeWarning, stacklevel=3)
         views = [runtime.state_views(i) for i in range(len(params))]
         self._write_states(params, views, dict(updates))
+        self._views = views  # this rank's store views, param by param
+        self._entries = [{key: value if key == "step" else _like_param(value, p) for key, value in view.items()}
+                         for p, view in zip(params, views)]
         state = self.__dict__["_state"]
         state.clear()
-        for p, view in zip(params, views):
-            state[p] = {key: value if key == "step" else _like_param(value, p) for key, value in view.items()}
-        self._views = views  # this rank's store views, param by param
+        state.update(zip(params, (dict(entry) for entry in self._entries)))
         self._runtime = runtime
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
+        self._note_param_versions()
+
+    def _note_param_versions(self) -> None:
+        """Remembers the version counter of each param that has a master copy."""
+        self._param_versions = {i: _local(p)._version for i, p in enumerate(self._params())
+                                if "master_param" in self._views[i]}
+
+    def _sync_outside_changes(self, params: list[torch.Tensor]) -> None:
+        """Brings the store up to date with what changed outside step(): a master
+        copy follows its param when the param was written since the last step
+        (model.load_state_dict, say); a state entry that was replaced, edited or
+        removed in `state` is loaded into the store (removed: reset, as torch
+        starts it anew)."""
+        state = self.__dict__["_state"]
+        amsgrad = [bool(g["amsgrad"]) for g in self.param_groups for _ in g["params"]]
+        edits = {}
+        for i, p in enumerate(params):
+            entry, ours = state.get(p), self._entries[i]
+            if entry is not None and len(entry) == len(ours) and all(entry.get(k) is v for k, v in ours.items()):
+                continue
+            edits[i] = self._checked_state(i, p, entry, amsgrad[i], f"SwapOptimizer.state[param {i}]") if entry else {}
+        if edits:
+            self._write_states(params, self._views, edits, only=edits.keys())
+            for i in edits:
+                state[params[i]] = dict(self._entries[i])
+        with torch.no_grad():
+            for i, version in self._param_versions.items():
+                local = _local(params[i])
+                if local._version != version and i not in edits:
+                    self._views[i]["master_param"].copy_(local)
 
     def _checked_state(self, index: int, param: torch.Tensor, entry: Any, amsgrad: bool, where: str) -> dict:
         """Validates one param's saved state; returns {key: value} to write."""
@@ -217,29 +253,37 @@ class SwapOptimizer(torch.optim.Optimizer):
             values[key] = value
         return values
 
-    def _write_states(self, params: list[torch.Tensor], views: list[dict], values: dict[int, dict]) -> None:
-        """Writes validated states into the stores: no step and zeros where a
-        param has no saved state; master copies from the params when not saved."""
+    def _write_states(self, params: list[torch.Tensor], views: list[dict], values: dict[int, dict],
+                      only=None) -> None:
+        """Writes validated states into the stores (of the params in `only`, or
+        all): no step and zeros where a param has no saved state; master copies
+        from the params when not saved or when a saved one no longer rounds to
+        its param (a plain AdamW carries master_param along without updating it)."""
         with torch.no_grad():
             for i, (p, view) in enumerate(zip(params, views)):
+                if only is not None and i not in only:
+                    continue
                 saved = values.get(i, {})
                 view["step"].fill_(saved.get("step", 0.0))
                 for key in STATE_KEYS:
                     if key not in view:
                         continue
-                    if key in saved:
-                        view[key].copy_(_local_part(saved[key], p))
-                    elif key == "master_param":
-                        view[key].copy_(_local(p))
-                    else:
+                    value = _local_part(saved[key], p) if key in saved else None
+                    if key == "master_param" and (value is None or value.dtype != torch.float32
+                                                  or not torch.equal(value.to(p.dtype), _local(p).to(value.device))):
+                        value = _local(p)
+                    if value is None:
                         view[key].zero_()
+                    else:
+                        view[key].copy_(value)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102  (torch.optim API)
-        if closure is not None:
-            raise ValueError("SwapOptimizer.step() does not take a closure; compute the loss and call "
-                             "backward() before step()")
+        loss = None
+        if closure is not None:  # as torch.optim.Adam: evaluated once, before the update
+            with torch.enable_grad():
+                loss = closure()
         groups = self.param_groups
         sizes = [len(g["params"]) for g in groups]
         if sizes != self._group_sizes:
@@ -254,10 +298,14 @@ class SwapOptimizer(torch.optim.Optimizer):
                                float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]),
                                bool(decoupled)))
         params = [p for g in groups for p in g["params"]]
+        self._sync_outside_changes(params)
         grads = [None if p.grad is None else _local(p.grad) for p in params]
-        self._runtime.step([_local(p) for p in params], grads, group_args, getattr(self, "grad_scale", None),
-                           getattr(self, "found_inf", None))
-        return None
+        try:
+            self._runtime.step([_local(p) for p in params], grads, group_args, getattr(self, "grad_scale", None),
+                               getattr(self, "found_inf", None))
+        finally:  # a stopped step leaves each param and its master consistent too
+            self._note_param_versions()
+        return loss
 
     def add_param_group(self, param_group: dict) -> None:  # noqa: D102  (torch.optim API)
         if self.__dict__.get("_runtime") is None:  # called by Optimizer.__init__
@@ -283,14 +331,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102  (torch.optim API)
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("SwapOptimizer.load_state_dict: expected an optimizer state dict with 'state' and "
+                             "'param_groups'")
+        state_dict = state_dict.copy()  # as torch: hooks and loading never change the caller's dict
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("SwapOptimizer.load_state_dict: expected an optimizer state dict with 'state' and "
-                             "'param_groups'")
-        saved_groups = state_dict["param_groups"]
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
         groups = self.param_groups
         if len(saved_groups) != len(groups):
             raise ValueError(f"SwapOptimizer.load_state_dict: the state dict has {len(saved_groups)} param groups "
@@ -309,6 +358,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             new_group = {**self.defaults, **saved, "params": group["params"]}
             for flag in _EXECUTION_FLAGS:
                 new_group[flag] = group.get(flag)
+            if isinstance(self.optimizer, torch.optim.AdamW):
+                new_group["decoupled_weight_decay"] = True  # as AdamW.__setstate__ has it
             if "param_names" in group and "param_names" not in saved:
                 new_group["param_names"] = group["param_names"]
             new_groups.append(new_group)
@@ -327,6 +378,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._runtime.synchronize()
         groups[:] = new_groups
         self._write_states(params, self._views, values)
+        state = self.__dict__["_state"]
+        for p, entry in zip(params, self._entries):
+            state[p] = dict(entry)
+        self._note_param_versions()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

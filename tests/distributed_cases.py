@@ -74,11 +74,12 @@ def case_fsdp2(rank, device, work_dir):
     train(model, ours, 6, 0, device, rank)
     train(reference, plain, 6, 0, device, rank)
     assert_models_close(model, reference, **TOL)
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for i, (p, q) in enumerate(zip(model.parameters(), reference.parameters())):
         assert isinstance(p, DTensor)
         for key in ("exp_avg", "exp_avg_sq"):
             state = ours.state[p][key]
             assert isinstance(state, DTensor) and state.placements == p.placements and state.shape == p.shape
+            assert state._local_tensor is ours._views[i][key]  # the store itself, not a copy on the mesh's device
             assert_close(state.to_local().to(device), plain.state[q][key].to_local(), **TOL)
         assert ours.state[p]["step"].item() == 6
     # Each rank holds the states of its own shards only: half of the whole.

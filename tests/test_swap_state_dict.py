@@ -14,8 +14,8 @@ from torch.testing import assert_close
 
 import swap_optimizer as so
 from conftest import DEVICES
-from swap_training import (assert_train_alike, build_model, plain_optimizer, plain_twin, round_trip, state_tensors,
-                           swap_optimizer, train)
+from swap_training import (assert_train_alike, build_model, plain_optimizer, plain_twin, round_trip, side_by_side,
+                           state_tensors, swap_optimizer, train)
 
 TRAIN_TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -173,3 +173,48 @@ def test_load_keeps_hyper_parameters_and_hooks_run(device):
     assert ours.param_groups[0]["lr"] == 0.125 and ours.optimizer.param_groups[0]["lr"] == 0.125
     ours.state_dict()
     assert calls[-1] == "saved"
+
+
+def test_adam_state_dict_into_adamw_stays_decoupled_and_groups_are_copied():
+    model = build_model("mlp", "cpu")
+    adam = plain_optimizer("adam", model.parameters())
+    train("mlp", model, adam, 2, "cpu")
+    saved = round_trip(adam.state_dict())
+    saved["param_groups"][0]["lr"] = torch.tensor(0.01)
+    ours = swap_optimizer("adamw", build_model("mlp", "cpu").parameters())
+    ours.load_state_dict(saved)
+    assert ours.param_groups[0]["decoupled_weight_decay"] is True  # as AdamW.load_state_dict has it
+    assert ours.param_groups[0]["lr"] is not saved["param_groups"][0]["lr"]  # a copy, as torch makes
+
+
+def test_state_edits_and_resets_reach_the_store():
+    """Like torch.optim: state.clear() starts the state anew, an edited entry is used."""
+    (model, ours), (twin, plain) = side_by_side("mlp", "adamw", "cpu", swap_times=2)
+    train("mlp", model, ours, 3, "cpu")
+    train("mlp", twin, plain, 3, "cpu")
+    ours.state.clear()
+    plain.state.clear()
+    first = next(p for p in model.parameters() if p.numel() >= 1024)
+    first_twin = list(twin.parameters())[list(model.parameters()).index(first)]
+    train("mlp", model, ours, 2, "cpu", first_step=3)
+    train("mlp", twin, plain, 2, "cpu", first_step=3)
+    assert ours.state[first]["step"].item() == 2 and len(ours.state_dict()["state"]) == len(list(model.parameters()))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert_close(p, q, rtol=1e-5, atol=1e-6)
+    ours.state[first]["step"] = torch.tensor(100.0)
+    plain.state[first_twin]["step"] = torch.tensor(100.0)
+    train("mlp", model, ours, 1, "cpu", first_step=5)
+    train("mlp", twin, plain, 1, "cpu", first_step=5)
+    assert ours.state_dict()["state"][list(model.parameters()).index(first)]["step"].item() == 101
+    assert_close(first, first_twin, rtol=1e-5, atol=1e-6)
+
+
+def test_master_copies_follow_params_written_outside_step():
+    torch.manual_seed(2)
+    model = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    ours = swap_optimizer("adamw", model.parameters(), min_numel=16, master_weights=True, state_dtype=torch.float32)
+    model.load_state_dict({k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()})  # resume order
+    model(torch.randn(4, 64, dtype=torch.bfloat16)).sum().backward()
+    ours.step()
+    assert (model.weight.float() - 0.5).abs().max() < 0.01  # one small step from 0.5, not from the old weights
+    assert torch.equal(ours.state[model.weight]["master_param"].to(torch.bfloat16), model.weight.detach())

@@ -59,6 +59,7 @@ def test_supported_variants_are_accepted():
     (dict(state_keys=("exp_avg", "momentum_buffer")), "unknown state key\\(s\\) \\['momentum_buffer'\\]"),
     (dict(state_keys="exp_avg"), "sequence of names"),
     (dict(state_keys=("exp_avg", "exp_avg")), "names a key twice"),
+    (dict(state_keys=(k for k in ["exp_avg", "bogus"])), "unknown state key\\(s\\) \\['bogus'\\]"),
     (dict(swaptimes=4), "unknown setting\\(s\\) \\['swaptimes'\\]"),
 ])
 def test_bad_config_values(fields, message):
@@ -131,10 +132,25 @@ def test_bad_step_inputs_change_nothing(breaker, error, message):
     assert all(torch.equal(before_states[k], after[k]) for k in before_states)
 
 
-def test_closure_is_refused():
-    model, optimizer = trained()
-    before = state_tensors(optimizer, model)
-    with pytest.raises(ValueError, match="does not take a closure"):
-        optimizer.step(lambda: loss_of("mlp", model, 0, "cpu"))
-    after = state_tensors(optimizer, model)
-    assert all(torch.equal(before[k], after[k]) for k in before)
+def test_closure_runs_once_before_the_update_as_in_torch():
+    """Lightning's automatic optimization always passes a closure."""
+    results = []
+    for wrap in (True, False):
+        model = build_model("mlp", "cpu")
+        optimizer = swap_optimizer("adamw", model.parameters(), swap_times=2) if wrap else \
+            torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1, foreach=False)
+        calls = []
+
+        def closure():
+            calls.append(torch.is_grad_enabled())
+            optimizer.zero_grad()
+            loss = loss_of("mlp", model, 0, "cpu")
+            loss.backward()
+            return loss
+
+        loss = optimizer.step(closure)
+        assert calls == [True] and loss.requires_grad
+        results.append((loss.detach(), params_of(model)))
+    assert torch.equal(results[0][0], results[1][0])
+    for p, q in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)

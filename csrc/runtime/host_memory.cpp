@@ -7,6 +7,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -91,6 +92,7 @@ int64_t free_device_bytes(const c10::Device& device) {
 
 CopyBandwidth measure_copy_bandwidth(const c10::Device& device, int64_t bytes, int repeats) {
   TORCH_CHECK_VALUE(bytes > 0 && repeats > 0, "measure_copy_bandwidth: need bytes > 0 and repeats > 0");
+  const c10::DeviceGuard guard(device);  // a no-op for CPU
   bool pinned = false;
   const at::Tensor host_in = allocate_host_slab(bytes, device.is_cuda(), &pinned);
   const at::Tensor host_out = allocate_host_slab(bytes, device.is_cuda(), &pinned);

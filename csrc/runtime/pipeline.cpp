@@ -47,7 +47,10 @@ void run_pipeline(Transport& transport, BatchWork& work, const std::vector<int>&
   try {
     transport.begin_step();
     // Copies in write arenas just allocated on the compute queue and read host
-    // regions the previous step wrote: both are ordered before this point.
+    // regions the previous step wrote. The previous step's end is on the compute
+    // queue it ran on, which may not be this step's (a caller's stream context):
+    // wait for it, then everything before this point is ordered.
+    transport.wait(Queue::kCompute, kStepEndMarker);
     transport.record(Queue::kCompute, kStepBeginMarker);
     transport.wait(Queue::kHostToDevice, kStepBeginMarker);
     stage_ready(-1);

@@ -320,6 +320,7 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
                        const std::optional<at::Tensor>& grad_scale,
                        const std::optional<at::Tensor>& found_inf,
                        const std::function<void()>& check_interrupt) {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
   // Everything the op could reject is checked here, before any batch moves.
   const size_t count = params_.size();
   TORCH_CHECK_VALUE(params.size() == count && grads.size() == count, "SwapOptimizer: ", params.size(),
@@ -381,6 +382,7 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
 }
 
 void SwapRuntime::synchronize() {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
   if (!step_pending_) return;
   transport_->host_wait(kStepEndMarker);
   step_pending_ = false;

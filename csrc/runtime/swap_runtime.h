@@ -11,6 +11,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -128,6 +129,9 @@ class SwapRuntime {
   bool pinned_ = false;
   int64_t unpinned_bytes_ = 0;
   bool step_pending_ = false;  // copies of the last step may still be landing in the host store
+  // step() and synchronize() run without the GIL: a thread reading the state
+  // while another steps must wait for that step, not for the one before.
+  std::mutex step_mutex_;
   MemoryStats stats_;
   TestHooks hooks_;
 };

@@ -15,27 +15,33 @@ class CudaTransport final : public Transport {
  public:
   CudaTransport(c10::DeviceIndex device, int slots, bool separate_copy_streams) : device_(device) {
     const c10::cuda::CUDAGuard guard(device_);
-    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&to_device_, cudaStreamNonBlocking));
-    if (separate_copy_streams) {
-      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&to_host_, cudaStreamNonBlocking));
-    } else {
-      to_host_ = to_device_;
-    }
-    events_.resize(marker_count(slots));
-    for (cudaEvent_t& event : events_) {
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    try {
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&to_device_, cudaStreamNonBlocking));
+      if (separate_copy_streams) {
+        C10_CUDA_CHECK(cudaStreamCreateWithFlags(&to_host_, cudaStreamNonBlocking));
+      } else {
+        to_host_ = to_device_;
+      }
+      events_.assign(marker_count(slots), nullptr);
+      for (cudaEvent_t& event : events_) {
+        C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+      }
+    } catch (...) {
+      release();
+      throw;
     }
   }
 
   ~CudaTransport() override {
     const c10::cuda::CUDAGuard guard(device_);
     drain();
-    for (cudaEvent_t event : events_) C10_CUDA_IGNORE_ERROR(cudaEventDestroy(event));
-    if (to_host_ != to_device_) C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(to_host_));
-    C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(to_device_));
+    release();
   }
 
-  void begin_step() override { compute_ = c10::cuda::getCurrentCUDAStream(device_).stream(); }
+  void begin_step() override {
+    compute_ = c10::cuda::getCurrentCUDAStream(device_).stream();  // null for the default stream
+    started_ = true;
+  }
 
   void copy_to_device(void* dst, const void* src, int64_t bytes) override {
     C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, to_device_));
@@ -58,7 +64,7 @@ class CudaTransport final : public Transport {
   void drain() noexcept override {
     C10_CUDA_IGNORE_ERROR(cudaStreamSynchronize(to_device_));
     if (to_host_ != to_device_) C10_CUDA_IGNORE_ERROR(cudaStreamSynchronize(to_host_));
-    if (compute_ != nullptr) C10_CUDA_IGNORE_ERROR(cudaStreamSynchronize(compute_));
+    if (started_) C10_CUDA_IGNORE_ERROR(cudaStreamSynchronize(compute_));
   }
 
  private:
@@ -71,7 +77,19 @@ class CudaTransport final : public Transport {
     return compute_;
   }
 
+  // Destroys what the constructor made, in any state it got to.
+  void release() noexcept {
+    for (cudaEvent_t event : events_) {
+      if (event != nullptr) C10_CUDA_IGNORE_ERROR(cudaEventDestroy(event));
+    }
+    events_.clear();
+    if (to_host_ != nullptr && to_host_ != to_device_) C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(to_host_));
+    if (to_device_ != nullptr) C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(to_device_));
+    to_host_ = to_device_ = nullptr;
+  }
+
   c10::DeviceIndex device_;
+  bool started_ = false;
   cudaStream_t to_device_ = nullptr;
   cudaStream_t to_host_ = nullptr;
   cudaStream_t compute_ = nullptr;
@@ -101,7 +119,7 @@ int64_t cuda_free_bytes(c10::DeviceIndex device) {
   size_t free = 0, total = 0;
   C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
-  constexpr size_t kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  constexpr size_t kAll = static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE);
   const int64_t cached = stats.reserved_bytes[kAll].current - stats.allocated_bytes[kAll].current;
   return static_cast<int64_t>(free) + cached;
 }
