@@ -25,9 +25,12 @@ SWAP_OPTIMIZER_SANITIZE=address,undefined MAX_JOBS="${MAX_JOBS:-2}" \
 cp swap_optimizer/*.py "$WORK/asan_lib/swap_optimizer/"
 mkdir -p "$WORK/asan_lib/swap_optimizer/bench" && cp swap_optimizer/bench/*.py "$WORK/asan_lib/swap_optimizer/bench/"
 preload="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
+# -P keeps the source folder (cwd) off sys.path, so the instrumented build is the one imported.
+LD_PRELOAD="$preload" PYTHONPATH="$WORK/asan_lib" ASAN_OPTIONS="detect_leaks=0" "$PY" -P -c \
+  "import swap_optimizer, sys; f = swap_optimizer._C.__file__; print('instrumented build:', f); sys.exit(not f.startswith('$WORK'))"
 # Leaks: Python and torch keep allocations alive until exit by design, so leak
 # reports would be theirs; every other ASan/UBSan finding stops the run.
 LD_PRELOAD="$preload" PYTHONPATH="$WORK/asan_lib" \
   ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1" \
   UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
-  "$PY" -m pytest -q -p no:cacheprovider tests -k "not cuda" -x
+  "$PY" -P -m pytest -q -p no:cacheprovider tests -k "not cuda" -x
