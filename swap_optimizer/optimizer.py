@@ -162,7 +162,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         group_of_param = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         group_amsgrad = [bool(group["amsgrad"]) for group in self.param_groups]
         index_of = {p: i for i, p in enumerate(params)}
-        updates = [(index_of[p], self._checked_state(index_of[p], p, entry, group_amsgrad[group_of_param[index_of[p]]],
+        updates = [(index_of[p], self._checked_state(p, entry, group_amsgrad[group_of_param[index_of[p]]],
                                                       f"{source}, param {index_of[p]}"))
                    for p, entry in previous.items() if p in index_of and entry]
         local_params = [_local(p) for p in params]
@@ -217,7 +217,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             entry, ours = state.get(p), self._entries[i]
             if entry is not None and len(entry) == len(ours) and all(entry.get(k) is v for k, v in ours.items()):
                 continue
-            edits[i] = self._checked_state(i, p, entry, amsgrad[i], f"SwapOptimizer.state[param {i}]") if entry else {}
+            edits[i] = self._checked_state(p, entry, amsgrad[i], f"SwapOptimizer.state[param {i}]") if entry else {}
         if edits:
             self._write_states(params, self._views, edits, only=edits.keys())
             for i in edits:
@@ -228,7 +228,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 if local._version != version and i not in edits:
                     self._views[i]["master_param"].copy_(local)
 
-    def _checked_state(self, index: int, param: torch.Tensor, entry: Any, amsgrad: bool, where: str) -> dict:
+    def _checked_state(self, param: torch.Tensor, entry: Any, amsgrad: bool, where: str) -> dict:
         """Validates one param's saved state; returns {key: value} to write."""
         if not isinstance(entry, dict):
             raise ValueError(f"{where}: state must be a dict, got {type(entry).__name__}")
@@ -372,7 +372,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                                  "group of the state dict lists")
             i = index_of_id[saved_id]
             if entry:
-                values[i] = self._checked_state(i, params[i], entry, bool(groups[group_of_param[i]]["amsgrad"]),
+                values[i] = self._checked_state(params[i], entry, bool(groups[group_of_param[i]]["amsgrad"]),
                                                 f"SwapOptimizer.load_state_dict: param {i}")
         # Everything is checked: write.
         self._runtime.synchronize()

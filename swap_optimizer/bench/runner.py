@@ -119,7 +119,7 @@ class Timer:
         return lambda: (end.synchronize(), begin.elapsed_time(end) / 1e3)[1]
 
 
-def build_optimizer(mode: Mode, model: GPT, dtype: torch.dtype):
+def build_optimizer(mode: Mode, model: GPT):
     params = model.parameters()
     if mode.kind == "resident":
         return torch.optim.AdamW(params, lr=LR, fused=True)
@@ -130,19 +130,16 @@ def build_optimizer(mode: Mode, model: GPT, dtype: torch.dtype):
                          state_dtype=torch.float32 if mode.master_weights else None)
 
 
-def state_bytes(model: GPT, dtype: torch.dtype, master: bool) -> int:
-    """Bytes of AdamW's state for the model: exp_avg and exp_avg_sq, fp32 with masters."""
-    numel = sum(p.numel() for p in model.parameters())
-    if master:
-        return numel * (4 + 4 + 4)
-    return numel * 2 * dtype.itemsize
+def resident_state_bytes(model: GPT) -> int:
+    """Bytes of torch's AdamW state for the model: exp_avg and exp_avg_sq in the params' dtype."""
+    return sum(2 * p.numel() * p.element_size() for p in model.parameters())
 
 
 def run_mode(mode: Mode, config: GPTConfig, dtype: torch.dtype, device: torch.device, batch_size: int,
              warmup: int, repeats: int, bandwidth: Bandwidth) -> Result:
     torch.manual_seed(0)
     model = GPT(config).to(device=device, dtype=dtype)
-    optimizer = build_optimizer(mode, model, dtype)
+    optimizer = build_optimizer(mode, model)
     tokens = torch.randint(0, config.vocab, (batch_size, config.seq_len + 1), device=device,
                            generator=torch.Generator(device=device).manual_seed(1))
     timer = Timer(device)
@@ -199,7 +196,7 @@ def run_mode(mode: Mode, config: GPTConfig, dtype: torch.dtype, device: torch.de
         if mode.kind == "swap":
             on_device = extra["peak_staging_bytes"] + extra["resident_state_bytes"]
         else:
-            on_device = state_bytes(model, dtype, master=False)
+            on_device = resident_state_bytes(model)
         peak_train = peak_step = 2 * model_bytes + on_device
     floor = bandwidth.floor_seconds(h2d, d2h, two_way) if h2d or d2h else None
     return Result(mode, peak_train, peak_step, statistics.median(step_times), statistics.median(train_times),
