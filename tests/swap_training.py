@@ -111,6 +111,17 @@ def assert_train_alike(kind, first, second, steps, first_step, device, **toleran
         assert_close(p, q, **tolerance)
 
 
+def arena_bytes(numels, state_bytes=4, states=2, align=256):
+    """Bytes of one batch's arena: its step table, then each state on its own
+    aligned region (the layout docs/design.md describes)."""
+    up = lambda n: -(-n // align) * align  # noqa: E731
+    cursor = up(4 * len(numels))
+    for n in numels:
+        for _ in range(states):
+            cursor = up(cursor) + n * state_bytes
+    return cursor
+
+
 def params_of(model):
     return [p.detach().clone() for p in model.parameters()]
 

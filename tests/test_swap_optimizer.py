@@ -16,7 +16,7 @@ import torch
 from torch.testing import assert_close
 
 from conftest import DEVICES
-from swap_training import build_model, params_of, plain_optimizer, state_tensors, swap_optimizer, train
+from swap_training import arena_bytes, build_model, params_of, plain_optimizer, state_tensors, swap_optimizer, train
 
 STEPS = 50
 TRAIN_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -66,17 +66,6 @@ def test_training_matches_wrapped_optimizer(case, swap_times, num_arenas, device
     assert torch.equal(losses, base_losses)
     assert all(torch.equal(a, b) for a, b in zip(params, base_params))
     assert all(torch.equal(states[k], base_states[k]) for k in states)
-
-
-def arena_bytes(numels, state_bytes=4, states=2, align=256):
-    """Bytes of one batch's arena: its step table, then each state on its own
-    aligned region (the layout docs/design.md describes)."""
-    up = lambda n: -(-n // align) * align  # noqa: E731
-    cursor = up(4 * len(numels))
-    for n in numels:
-        for _ in range(states):
-            cursor = up(cursor) + n * state_bytes
-    return cursor
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import DEVICES
-from swap_training import assert_train_alike, build_model, params_of, plain_twin, state_tensors, swap_optimizer, train
+from swap_training import (arena_bytes, assert_train_alike, build_model, params_of, plain_twin, state_tensors,
+                           swap_optimizer, train)
 
 TRAIN_TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -88,18 +89,10 @@ def test_memory_follows_the_formula_and_stays_flat(num_arenas, device):
     plan = optimizer._batch_plan()
     rotating = [b for b in plan if not b["resident"]]
     largest = max(b["arena_bytes"] for b in rotating)
-    align = lambda n: -(-n // 256) * 256  # noqa: E731
     params = list(model.parameters())
-    expected_host = 0
-    for b in plan:
-        if b["resident"]:
-            expected_host += 4 * len(b["params"])  # only the step table travels
-            continue
-        cursor = align(4 * len(b["params"]))
-        for i in b["params"]:
-            for _ in ("exp_avg", "exp_avg_sq"):
-                cursor = align(cursor) + params[i].numel() * 4
-        expected_host += cursor
+    # Only the resident batch's step table travels; a rotating batch's whole arena does.
+    expected_host = sum(4 * len(b["params"]) if b["resident"] else arena_bytes([params[i].numel() for i in b["params"]])
+                        for b in plan)
     state_bytes = sum(2 * p.numel() * 4 for p in params)
     resident_bytes = sum(2 * p.numel() * 4 for p in params if p.numel() < 1024)
     first = None
