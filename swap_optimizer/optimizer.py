@@ -153,13 +153,16 @@ class SwapOptimizer(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
+    def _group_of_param(self) -> list[int]:
+        return [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+
     @torch.no_grad()
     def _build_runtime(self, previous: dict, source: str) -> None:
         """Lays out the stores for the current params (this rank's parts of
         DTensors) and fills them from `previous` (param -> state dict), zeros
         where absent."""
         params = self._params()
-        group_of_param = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+        group_of_param = self._group_of_param()
         group_amsgrad = [bool(group["amsgrad"]) for group in self.param_groups]
         index_of = {p: i for i, p in enumerate(params)}
         updates = [(index_of[p], self._checked_state(p, entry, group_amsgrad[group_of_param[index_of[p]]],
@@ -211,13 +214,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         removed in `state` is loaded into the store (removed: reset, as torch
         starts it anew)."""
         state = self.__dict__["_state"]
-        amsgrad = [bool(g["amsgrad"]) for g in self.param_groups for _ in g["params"]]
-        edits = {}
+        edits, group_of_param = {}, None  # the latter only once something was edited
         for i, p in enumerate(params):
             entry, ours = state.get(p), self._entries[i]
             if entry is not None and len(entry) == len(ours) and all(entry.get(k) is v for k, v in ours.items()):
                 continue
-            edits[i] = self._checked_state(p, entry, amsgrad[i], f"SwapOptimizer.state[param {i}]") if entry else {}
+            group_of_param = group_of_param or self._group_of_param()
+            amsgrad = bool(self.param_groups[group_of_param[i]]["amsgrad"])
+            edits[i] = self._checked_state(p, entry, amsgrad, f"SwapOptimizer.state[param {i}]") if entry else {}
         if edits:
             self._write_states(params, self._views, edits, only=edits.keys())
             for i in edits:
@@ -326,8 +330,8 @@ class SwapOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------- state dicts
     def state_dict(self) -> dict[str, Any]:  # noqa: D102  (torch.optim API)
         """The wrapped optimizer's format; swapped states are the host tensors
-        themselves (no device copy), steps are CPU float32 tensors."""
-        self._runtime.synchronize()
+        themselves (no device copy), steps are CPU float32 tensors. (The base
+        class reads `state`, which waits for the last step's copies.)"""
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102  (torch.optim API)
@@ -364,7 +368,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 new_group["param_names"] = group["param_names"]
             new_groups.append(new_group)
         index_of_id = {saved_id: i for i, saved_id in enumerate(saved_ids)}
-        group_of_param = [g for g, group in enumerate(groups) for _ in group["params"]]
+        group_of_param = self._group_of_param()
         values = {}
         for saved_id, entry in state_dict["state"].items():
             if saved_id not in index_of_id:

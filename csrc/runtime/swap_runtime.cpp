@@ -235,6 +235,11 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
   // out get their own queues once there are three arenas to rotate.
   const bool separate_copy_queues = arena_count_ >= 3;
   transport_ = make_transport(device_, arena_count_ + 1, separate_copy_queues);
+  // Rotating batch r uses arena r mod N; the resident batch has a slot of its own.
+  int64_t rotating = 0;
+  for (const BatchPlan& batch : plan_.batches) {
+    slot_of_batch_.push_back(batch.resident ? arena_count_ : static_cast<int>(rotating++ % arena_count_));
+  }
 
   // Host slabs: one exact-size allocation per batch.
   const bool pin = device_.is_cuda() && options_.pin_memory;
@@ -364,14 +369,9 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
   params_ = params;
   const c10::DeviceGuard guard(device_);  // a no-op for CPU
   allocate_arenas();
-  std::vector<int> slot_of_batch;
-  int64_t rotating = 0;
-  for (const BatchPlan& batch : plan_.batches) {
-    slot_of_batch.push_back(batch.resident ? arena_count_ : static_cast<int>(rotating++ % arena_count_));
-  }
   Step work(*this, std::move(ready), group_args, grad_scale, found_inf, check_interrupt);
   try {
-    run_pipeline(*transport_, work, slot_of_batch);
+    run_pipeline(*transport_, work, slot_of_batch_);
   } catch (...) {
     release_arenas();  // the pipeline drained every queue before rethrowing
     throw;

@@ -125,6 +125,7 @@ class SwapRuntime {
   at::Tensor resident_store_;
   std::vector<at::Tensor> arenas_;
   int arena_count_ = 0;
+  std::vector<int> slot_of_batch_;  // arena slot of each batch, in pipeline order
   std::unique_ptr<Transport> transport_;
   bool pinned_ = false;
   int64_t unpinned_bytes_ = 0;
