@@ -9,7 +9,8 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library that defines the op)
 
-LAYOUT_COLUMNS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "numel")
+LAYOUT_COLUMNS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "numel", "param_offset", "step_index",
+                  "advance_step")
 ABSENT = -1
 _op = torch.ops.swap_optimizer.fused_adam_packed
 
@@ -19,7 +20,9 @@ def _fused_adam_packed_fake(params, grads, arena, layout, steps, *, lr, beta1, b
                             weight_decay, amsgrad, maximize, decoupled_weight_decay,
                             state_dtype=None, grad_scale=None, found_inf=None):
     torch._check(len(params) == len(grads), lambda: "one grad per param")
-    torch._check(layout.dim() == 2 and layout.shape[0] == len(params), lambda: "one layout row per param")
+    torch._check(layout.dim() == 2 and layout.shape[0] == len(params) and layout.shape[1] == len(LAYOUT_COLUMNS),
+                 lambda: f"one layout row per param, with columns {LAYOUT_COLUMNS}")
+    torch._check(steps.dim() == 1 and steps.dtype == torch.float32, lambda: "steps is a 1-D float32 step table")
     return None
 
 
@@ -45,9 +48,13 @@ def fused_adam_packed(
 
     ``arena`` is a 1-D uint8 tensor on the params' device holding every state;
     ``layout`` (CPU int64, one row per param, columns LAYOUT_COLUMNS) gives the
-    byte offset of each state (-1 when absent); ``steps`` holds one float32 count
-    per param and is incremented, as torch.optim does, unless ``found_inf`` is
-    non-zero, in which case nothing is written at all.
+    byte offset of each state (-1 when absent), the elements of the param the
+    row updates (``numel`` of them from ``param_offset``: a piece of a param
+    split across calls) and its step count, ``steps[step_index]``: a 1-D float32
+    step table on the params' device. Every row computes its bias corrections
+    from that count + 1; a row with ``advance_step`` 1 writes the count back
+    incremented, as torch.optim does, so the pieces of a param advance it once,
+    with their last. When ``found_inf`` is non-zero nothing is written at all.
     """
     params, grads = list(params), list(grads)
     for index, (p, g) in enumerate(zip(params, grads)):
@@ -72,8 +79,9 @@ def plan_packed_layout(
     start: int = 0,
 ) -> tuple[torch.Tensor, int]:
     """Places each param's states one after another, each region aligned to
-    ``alignment`` bytes from ``start``. Returns the layout table and the arena
-    bytes it needs. Master copies are kept only for 16-bit params."""
+    ``alignment`` bytes from ``start``. Returns the layout table (whole params,
+    param i's step count at steps[i]) and the arena bytes it needs. Master
+    copies are kept only for 16-bit params."""
     if alignment <= 0:
         raise ValueError(f"alignment must be a positive number of bytes, got {alignment}")
     rows = []
@@ -86,13 +94,13 @@ def plan_packed_layout(
         cursor += nbytes
         return offset
 
-    for p in params:
+    for index, p in enumerate(params):
         dtype = state_dtype or p.dtype
         state_bytes = p.numel() * dtype.itemsize
         exp_avg = take(state_bytes)
         exp_avg_sq = take(state_bytes)
         max_exp_avg_sq = take(state_bytes) if amsgrad else ABSENT
         master = take(p.numel() * 4) if master_weights and p.dtype != torch.float32 else ABSENT
-        rows.append([exp_avg, exp_avg_sq, max_exp_avg_sq, master, p.numel()])
+        rows.append([exp_avg, exp_avg_sq, max_exp_avg_sq, master, p.numel(), 0, index, 1])
     layout = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(LAYOUT_COLUMNS))
     return layout, cursor

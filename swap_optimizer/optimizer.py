@@ -179,8 +179,9 @@ class SwapOptimizer(torch.optim.Optimizer):
                 num_arenas=self.config.num_arenas, budget_bytes=self.config.staging_budget_bytes)
             if swap_times < 0:
                 raise ValueError(f"SwapOptimizerConfig.staging_budget_bytes={self.config.staging_budget_bytes} is too "
-                                 f"small: even one param per batch needs {smallest} bytes of staging arenas; raise "
-                                 "the budget, or keep more params resident with a larger min_numel")
+                                 f"small: the smallest budget that works is {smallest} bytes (the finest split, "
+                                 "pieces of at least 64 KiB of state); raise the budget, or keep more params "
+                                 "resident with a larger min_numel")
         runtime = _C.SwapRuntime(local_params, group_of_param, group_amsgrad, swappable, swap_times=swap_times,
                                  num_arenas=self.config.num_arenas, state_dtype=self.config.state_dtype,
                                  master_weights=self.config.master_weights, pin_memory=self.config.pin_memory,
@@ -319,6 +320,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         param_group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
         _check_params(params, self._device, first_index=sum(self._group_sizes))
         _check_group_flags(param_group, len(self.param_groups))
+        self._refuse_if_torn("add_param_group")
         previous = dict(self.state)  # waits for the last step; views stay valid after the rebuild
         self.optimizer.add_param_group(param_group)  # validates and appends to the shared param_groups
         try:
@@ -382,12 +384,19 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._runtime.synchronize()
         groups[:] = new_groups
         self._write_states(params, self._views, values)
+        self._runtime.clear_torn()  # every param's state is rewritten, the torn ones' included
         state = self.__dict__["_state"]
         for p, entry in zip(params, self._entries):
             state[p] = dict(entry)
         self._note_param_versions()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _refuse_if_torn(self, what: str) -> None:
+        torn = self._runtime.torn_params()
+        if torn:
+            raise RuntimeError(f"SwapOptimizer.{what}: a failed step left param(s) {torn} partly updated; load a "
+                               "checkpoint with load_state_dict() first")
 
     # ----------------------------------------------------------------- misc
     def memory_stats(self) -> dict[str, Any]:

@@ -37,6 +37,13 @@ def build(device, dtype=torch.float32):
     return nn.Sequential(nn.Linear(24, 64), nn.GELU(), nn.Linear(64, 33), nn.GELU(), nn.Linear(33, 8)).to(device, dtype)
 
 
+def build_wide(device):
+    """A model whose 512 x 129 layer holds most of the state: its local shards
+    (65 and 64 rows) are split across batches at swap_times 8."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 512), nn.GELU(), nn.Linear(512, 129), nn.GELU(), nn.Linear(129, 8)).to(device)
+
+
 def shard(model, mp_policy=None):
     kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for layer in model:
@@ -91,12 +98,30 @@ def case_fsdp2(rank, device, work_dir):
     assert local_numel < sum(p.numel() for p in model.parameters()) * 0.6
 
 
+def save_checkpoint(model, optimizer, work_dir):
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(work_dir, "checkpoint"))
+
+
+def assert_resumes_bitwise(model, optimizer, make_model, swap_times, device, rank, work_dir):
+    """A fresh model and SwapOptimizer (another swap_times) loaded from the DCP
+    checkpoint train 3 more steps exactly as the saved pair does (steps 4-6)."""
+    resumed = shard(make_model(device))
+    resumed_optimizer = SwapOptimizer(adamw(resumed.parameters()), swap_times=swap_times, min_numel=64)
+    model_state, optim_state = get_state_dict(resumed, resumed_optimizer)
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=os.path.join(work_dir, "checkpoint"))
+    set_state_dict(resumed, resumed_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    train(model, optimizer, 3, 4, device, rank)
+    train(resumed, resumed_optimizer, 3, 4, device, rank)
+    assert_models_close(resumed, model, rtol=0, atol=0)
+
+
 def case_fsdp2_checkpoint(rank, device, work_dir):
     model = shard(build(device))
     ours = SwapOptimizer(adamw(model.parameters()), swap_times=2, min_numel=64)
     train(model, ours, 4, 0, device, rank)
-    model_state, optim_state = get_state_dict(model, ours)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(work_dir, "checkpoint"))
+    save_checkpoint(model, ours, work_dir)
 
     # A full (gathered) state dict on rank 0 has the global shapes.
     full = get_optimizer_state_dict(model, ours, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -106,16 +131,7 @@ def case_fsdp2_checkpoint(rank, device, work_dir):
             entry = full["state"][name]
             assert not isinstance(entry["exp_avg"], DTensor) and entry["exp_avg"].shape == p.shape
             assert entry["step"].item() == 4
-
-    resumed = shard(build(device))
-    resumed_optimizer = SwapOptimizer(adamw(resumed.parameters()), swap_times=3, min_numel=64)
-    model_state, optim_state = get_state_dict(resumed, resumed_optimizer)
-    loaded = {"model": model_state, "optim": optim_state}
-    dcp.load(loaded, checkpoint_id=os.path.join(work_dir, "checkpoint"))
-    set_state_dict(resumed, resumed_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    train(model, ours, 3, 4, device, rank)
-    train(resumed, resumed_optimizer, 3, 4, device, rank)
-    assert_models_close(resumed, model, rtol=0, atol=0)
+    assert_resumes_bitwise(model, ours, build, 3, device, rank, work_dir)
 
 
 def case_fsdp2_mixed_precision(rank, device, work_dir):
@@ -137,6 +153,26 @@ def case_fsdp2_mixed_precision(rank, device, work_dir):
         assert_close(master.to_local().to(device), local(q.detach()), rtol=1e-2, atol=2e-3)
 
 
+def case_fsdp2_split(rank, device, work_dir):
+    """Local shards split in pieces across batches: parity with the plain
+    optimizer, then a DCP checkpoint loaded into another split resumes bitwise."""
+    model, reference = shard(build_wide(device)), shard(build_wide(device))
+    ours = SwapOptimizer(adamw(model.parameters()), swap_times=8, min_numel=64)
+    plain = adamw(reference.parameters())
+    assert ours.memory_stats()["split_params"] >= 1
+    pieces = [piece for batch in ours._batch_plan() for piece in batch["pieces"]]
+    assert any(offset > 0 for _, offset, _ in pieces)
+    train(model, ours, 4, 0, device, rank)
+    train(reference, plain, 4, 0, device, rank)
+    assert_models_close(model, reference, **TOL)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert ours.state[p]["step"].item() == 4
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_close(ours.state[p][key].to_local().to(device), plain.state[q][key].to_local(), **TOL)
+    save_checkpoint(model, ours, work_dir)
+    assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir)
+
+
 def case_ddp(rank, device, work_dir):
     model = DistributedDataParallel(build(device))
     reference = DistributedDataParallel(build(device))
@@ -153,7 +189,7 @@ def case_ddp(rank, device, work_dir):
 
 
 CASES = {"fsdp2": case_fsdp2, "fsdp2_checkpoint": case_fsdp2_checkpoint,
-         "fsdp2_mixed_precision": case_fsdp2_mixed_precision, "ddp": case_ddp}
+         "fsdp2_mixed_precision": case_fsdp2_mixed_precision, "fsdp2_split": case_fsdp2_split, "ddp": case_ddp}
 
 
 def run_rank(rank, case, work_dir, backend, port):

@@ -112,10 +112,10 @@ def assert_train_alike(kind, first, second, steps, first_step, device, **toleran
 
 
 def arena_bytes(numels, state_bytes=4, states=2, align=256):
-    """Bytes of one batch's arena: its step table, then each state on its own
-    aligned region (the layout docs/design.md describes)."""
+    """Bytes of one batch's arena when no param is split: each state of each
+    param on its own aligned region (the layout docs/design.md describes)."""
     up = lambda n: -(-n // align) * align  # noqa: E731
-    cursor = up(4 * len(numels))
+    cursor = 0
     for n in numels:
         for _ in range(states):
             cursor = up(cursor) + n * state_bytes

@@ -8,7 +8,8 @@ Tolerances (asserted below, reported in docs/design.md):
 - master weights (bf16 params, fp32 master and states) vs fp32 torch.optim:
   rtol 1e-5, atol 1e-7 on the master; the bf16 param equals the rounded master.
 - CUDA vs CPU: rtol 1e-6, atol 1e-7.
-- Batching, arena placement and CPU instruction set: bitwise identical.
+- Batching, arena placement, CPU instruction set and splitting a param into
+  pieces: bitwise identical.
 """
 
 import itertools
@@ -237,7 +238,7 @@ def test_found_inf_changes_nothing(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_batch_and_zero_numel_params(device):
     arena = torch.zeros(0, dtype=torch.uint8, device=device)
-    so.fused_adam_packed([], [], arena, torch.zeros(0, 5, dtype=torch.int64),
+    so.fused_adam_packed([], [], arena, torch.zeros(0, len(so.LAYOUT_COLUMNS), dtype=torch.int64),
                          torch.zeros(0, device=device), lr=1e-3)
     flags = AdamFlags()
     params = random_params([0, 5, 0, 33], torch.float32, device, seed=19)
@@ -252,6 +253,56 @@ def test_empty_batch_and_zero_numel_params(device):
         opt.step()
         ours.step(grads, flags)
     assert_states_close(params, ref, opt, ours, flags, **FP32_TOL)
+
+
+def piece_call(param, start, count, step_index, advance, *, master, amsgrad=True):
+    """The op's arguments for elements [start, start + count) of one param: an
+    arena of the piece's states and a layout row pointing into the param."""
+    state_dtype = torch.float32 if master else None
+    layout, nbytes = so.plan_packed_layout([param[start:start + count]], amsgrad=amsgrad, state_dtype=state_dtype,
+                                           master_weights=master)
+    layout[0, so.LAYOUT_COLUMNS.index("param_offset")] = start
+    layout[0, so.LAYOUT_COLUMNS.index("step_index")] = step_index
+    layout[0, so.LAYOUT_COLUMNS.index("advance_step")] = int(advance)
+    arena = torch.zeros(nbytes, dtype=torch.uint8, device=param.device)
+    if master:
+        offset = int(layout[0, 3])
+        arena[offset:offset + 4 * count].view(torch.float32).copy_(param[start:start + count].float())
+    return layout, arena
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_pieces_of_a_param_match_the_whole_param_bitwise(device, dtype):
+    """A param updated piece by piece (separate calls, pieces at multiples of 256
+    elements, the last one partial) sharing one step count that only the last
+    piece advances, equals the whole-param update bit for bit, states included."""
+    flags = AdamFlags(amsgrad=True)
+    master = dtype != torch.float32
+    numel, cuts = 70_001, [0, 256 * 50, 256 * 51, 256 * 200, 70_001]
+    whole, pieced = (random_params([numel], dtype, device, seed=30)[0] for _ in range(2))
+    whole_layout, whole_arena = piece_call(whole, 0, numel, 0, True, master=master)
+    pieces = [piece_call(pieced, a, b - a, 1, b == numel, master=master) for a, b in zip(cuts, cuts[1:])]
+    whole_steps = torch.zeros(1, device=device)
+    pieced_steps = torch.tensor([7.0, 0.0], device=device)  # the param's count is entry 1
+    kwargs = dict(lr=flags.lr, betas=flags.betas, eps=flags.eps, weight_decay=flags.weight_decay, amsgrad=True,
+                  state_dtype=torch.float32 if master else None)
+    for step in range(6):
+        grad = random_grads([whole], 30, step)[0]
+        so.fused_adam_packed([whole], [grad], whole_arena, whole_layout, whole_steps, **kwargs)
+        for k, (layout, arena) in enumerate(pieces):
+            so.fused_adam_packed([pieced], [grad], arena, layout, pieced_steps, **kwargs)
+            # Pieces before the last read the count without advancing it.
+            assert pieced_steps[1].item() == (step + 1 if k == len(pieces) - 1 else step)
+    assert torch.equal(pieced, whole)
+    assert pieced_steps.tolist() == [7.0, 6.0] and whole_steps.item() == 6.0
+    state_dtype = torch.float32 if master else dtype
+    for column in (0, 1, 2, 3) if master else (0, 1, 2):
+        dtype_here = torch.float32 if column == 3 else state_dtype
+        full = PackedBatches._view(whole_arena, int(whole_layout[0, column]), numel, dtype_here)
+        for (layout, arena), a, b in zip(pieces, cuts, cuts[1:]):
+            part = PackedBatches._view(arena, int(layout[0, column]), b - a, dtype_here)
+            assert torch.equal(part, full[a:b])
 
 
 @requires_cuda
@@ -274,8 +325,14 @@ def _opcheck_args(device):
     params = random_params([5, 1000, 3], torch.float32, device, seed=21)
     grads = random_grads(params, 21, 0)
     layout, nbytes = so.plan_packed_layout(params, amsgrad=True)
+    # The middle row is a piece of its param: elements [256, 1000), step count 3, not advanced.
+    columns = so.LAYOUT_COLUMNS
+    layout[1, columns.index("numel")] = 744
+    layout[1, columns.index("param_offset")] = 256
+    layout[1, columns.index("advance_step")] = 0
+    layout[:, columns.index("step_index")] = torch.tensor([3, 1, 0])
     arena = torch.rand(nbytes // 4, device=device).view(torch.uint8)
-    steps = torch.tensor([0.0, 3.0, 1.0], device=device)
+    steps = torch.tensor([0.0, 3.0, 1.0, 5.0], device=device)
     kwargs = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=True,
                   maximize=False, decoupled_weight_decay=True, state_dtype=None,
                   grad_scale=torch.ones(1, device=device), found_inf=torch.zeros(1, device=device))

@@ -122,7 +122,7 @@ def test_soak_2000_steps_stays_flat_and_correct():
 
 @pytest.mark.parametrize("free, advice", [
     (60_000, "swap_times=\\d+ with num_arenas=2 fits"),
-    (1_000, "even one param per batch needs \\d+ bytes"),
+    (1_000, "even the finest split needs \\d+ bytes of staging"),
 ])
 def test_arena_allocation_failure_names_bytes_and_a_config_that_fits(free, advice):
     model = build_model("transformer", "cpu")

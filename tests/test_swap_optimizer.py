@@ -82,7 +82,9 @@ def test_batches_are_contiguous_and_optimally_balanced(device, swap_times):
     assert [i for b in rotating for i in b["params"]] == swapped
     assert len(rotating) == swap_times
     for b in rotating:
+        assert b["pieces"] == [(i, 0, numels[i]) for i in b["params"]]  # small states: no param is split
         assert b["arena_bytes"] == b["host_bytes"] == arena_bytes([numels[i] for i in b["params"]])
+        assert b["host_copies"] == 1
     # No split of the swapped params into swap_times contiguous runs has a smaller largest arena.
     best = min(max(arena_bytes([numels[i] for i in swapped[a:b]]) for a, b in zip((0,) + cut, cut + (len(swapped),)))
                for cut in itertools.combinations(range(1, len(swapped)), swap_times - 1))

@@ -90,9 +90,9 @@ def test_memory_follows_the_formula_and_stays_flat(num_arenas, device):
     rotating = [b for b in plan if not b["resident"]]
     largest = max(b["arena_bytes"] for b in rotating)
     params = list(model.parameters())
-    # Only the resident batch's step table travels; a rotating batch's whole arena does.
-    expected_host = sum(4 * len(b["params"]) if b["resident"] else arena_bytes([params[i].numel() for i in b["params"]])
-                        for b in plan)
+    # Nothing of the resident batch travels; a rotating batch's whole arena does, and the step table (4 bytes a param).
+    assert all(b["pieces"] == [(i, 0, params[i].numel()) for i in b["params"]] for b in plan)  # nothing split
+    expected_host = 4 * len(params) + sum(arena_bytes([params[i].numel() for i in b["params"]]) for b in rotating)
     state_bytes = sum(2 * p.numel() * 4 for p in params)
     resident_bytes = sum(2 * p.numel() * 4 for p in params if p.numel() < 1024)
     first = None
@@ -102,10 +102,12 @@ def test_memory_follows_the_formula_and_stays_flat(num_arenas, device):
         if first is None:
             first = stats
         assert stats == first, f"memory stats changed at step {step}"
-    assert stats["peak_staging_bytes"] == min(num_arenas, len(rotating)) * largest
+    assert stats["step_table_bytes"] == -(-4 * len(params) // 256) * 256
+    assert stats["peak_staging_bytes"] == min(num_arenas, len(rotating)) * largest + stats["step_table_bytes"]
     assert stats["staging_bytes"] == 0 and stats["num_arenas"] == min(num_arenas, len(rotating))
     assert stats["host_state_bytes"] == expected_host
     assert state_bytes - resident_bytes < expected_host < state_bytes - resident_bytes + 256 * 4 * len(params)
+    assert stats["split_params"] == 0
     assert resident_bytes <= stats["resident_state_bytes"] < resident_bytes + 256 * 3 * len(params)
     assert stats["h2d_bytes"] == stats["d2h_bytes"] == expected_host
     assert stats["batches"] == 4
@@ -128,7 +130,7 @@ def test_staging_budget_picks_the_smallest_swap_times_that_fits(device):
         probe = swap_optimizer("adamw", model.parameters(), swap_times=swap_times)
         stats = probe.memory_stats()
         arenas = [b["arena_bytes"] for b in probe._batch_plan() if not b["resident"]]
-        sizes[swap_times] = min(2, stats["batches"]) * max(arenas)
+        sizes[swap_times] = min(2, stats["batches"]) * max(arenas) + stats["step_table_bytes"]
     budget = sizes[4]
     fitted = swap_optimizer("adamw", model.parameters(), staging_budget_bytes=budget)
     chosen = fitted.memory_stats()["batches"]

@@ -6,6 +6,7 @@
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <tuple>
 
 namespace swap_optimizer {
@@ -42,6 +43,26 @@ FaultPoint parse_fault(const std::optional<std::string>& name) {
   if (*name == "update") return FaultPoint::kUpdate;
   if (*name == "interrupt") return FaultPoint::kInterrupt;
   TORCH_CHECK_VALUE(false, "fault must be None, 'stage_in', 'update' or 'interrupt', got '", *name, "'");
+}
+
+py::list batch_plan(const runtime::StorePlan& plan) {
+  py::list batches;
+  for (const runtime::BatchPlan& b : plan.batches) {
+    py::list params, pieces;
+    for (const runtime::PieceRow& row : b.rows) {
+      params.append(row.slot);
+      pieces.append(py::make_tuple(row.slot, row.element_offset, row.count));
+    }
+    py::dict batch;
+    batch["params"] = params;
+    batch["pieces"] = pieces;
+    batch["resident"] = b.resident;
+    batch["host_bytes"] = b.host_bytes;
+    batch["arena_bytes"] = b.arena_bytes;
+    batch["host_copies"] = b.host_copies.size();
+    batches.append(batch);
+  }
+  return batches;
 }
 
 }  // namespace
@@ -104,28 +125,29 @@ void bind_runtime(py::module& module) {
              stats["pinned"] = s.pinned;
              stats["staging_bytes"] = s.staging_bytes;
              stats["peak_staging_bytes"] = s.peak_staging_bytes;
+             stats["step_table_bytes"] = s.step_table_bytes;
              stats["resident_state_bytes"] = s.resident_state_bytes;
              stats["h2d_bytes"] = s.h2d_bytes;
              stats["d2h_bytes"] = s.d2h_bytes;
              stats["batches"] = s.batches;
              stats["num_arenas"] = s.num_arenas;
+             stats["split_params"] = s.split_params;
              stats["unpinned_host_bytes"] = s.unpinned_host_bytes;
              return stats;
            })
-      .def("batch_plan",
-           [](const SwapRuntime& self) {
-             py::list batches;
-             for (const runtime::BatchPlan& b : self.plan().batches) {
-               py::dict batch;
-               batch["params"] = b.slots;
-               batch["resident"] = b.resident;
-               batch["host_bytes"] = b.host_bytes;
-               batch["arena_bytes"] = b.arena_bytes;
-               batches.append(batch);
-             }
-             return batches;
-           },
-           "The batches in pipeline order: param indices, host and arena bytes.")
+      .def("batch_plan", [](const SwapRuntime& self) { return batch_plan(self.plan()); },
+           "The batches in pipeline order: param indices, pieces (param, element offset, count), the bytes "
+           "each moves each way and its arena bytes.")
+      .def("torn_params",
+           &SwapRuntime::torn_params,
+           "Params a failed step left partly updated; step() refuses to run while there are any.")
+      .def(
+          "clear_torn",
+          [](SwapRuntime& self) {
+            py::gil_scoped_release no_gil;
+            self.clear_torn();
+          },
+          "Forgets torn params once their state has been rewritten (a loaded checkpoint).")
       .def("set_test_hooks",
            [](SwapRuntime& self, int64_t copy_delay_us, uint64_t seed,
               const std::optional<std::string>& fault, int64_t fault_batch, int64_t simulated_free_bytes) {
@@ -149,6 +171,35 @@ void bind_runtime(py::module& module) {
       py::arg("device"), py::arg("bytes"), py::arg("repeats"),
       "(host to device, device to host, both at once) in bytes per second through the runtime's own "
       "transport and host memory, median of `repeats` copies of `bytes`.");
+
+  module.def(
+      "plan_staging",
+      [](const std::vector<at::Tensor>& params, const std::vector<int64_t>& group_of_param,
+         const std::vector<bool>& group_amsgrad, const std::vector<bool>& swappable, int64_t swap_times,
+         int64_t num_arenas, std::optional<c10::ScalarType> state_dtype, bool master_weights,
+         const std::vector<bool>& swap_keys) {
+        const RuntimeOptions options =
+            make_options(swap_times, num_arenas, state_dtype, master_weights, true, false, swap_keys);
+        const runtime::StorePlan plan = runtime::plan_store(
+            runtime::make_slot_specs(params, group_of_param, group_amsgrad, swappable, options), options.swap_keys,
+            swap_times);
+        py::dict summary;
+        summary["host_state_bytes"] = plan.host_bytes;
+        summary["staging_bytes"] = runtime::staging_bytes_of(plan, num_arenas);
+        summary["largest_arena_bytes"] = plan.staging_arena_bytes;
+        summary["step_table_bytes"] = plan.step_table_bytes;
+        summary["resident_state_bytes"] = plan.resident_store_bytes;
+        summary["batches"] = plan.rotating_batches;
+        summary["split_params"] = std::count_if(plan.slots.begin(), plan.slots.end(),
+                                                [](const runtime::SlotPlacement& slot) { return slot.split; });
+        summary["plan"] = batch_plan(plan);
+        return summary;
+      },
+      py::arg("params"), py::arg("group_of_param"), py::arg("group_amsgrad"), py::arg("swappable"),
+      py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"), py::arg("state_dtype"),
+      py::arg("master_weights"), py::arg("swap_keys"),
+      "The layout a SwapRuntime would use, without allocating it: host, staging and resident bytes, batches, "
+      "split params and the batch plan. Params may be meta tensors (only numel and dtype are read).");
 
   module.def(
       "smallest_swap_times_for_budget",

@@ -59,7 +59,8 @@ std::vector<ParamRegions> validate_packed_update(
                         layout.dim() == 2 && layout.size(1) == kLayoutColumns,
                     "fused_adam_packed: layout must be a CPU int64 tensor of shape [",
                     count, ", ", static_cast<int64_t>(kLayoutColumns),
-                    "] (exp_avg, exp_avg_sq, max_exp_avg_sq, master, numel), got ",
+                    "] (exp_avg, exp_avg_sq, max_exp_avg_sq, master, numel, param_offset, step_index, "
+                    "advance_step), got ",
                     layout.scalar_type(), " ", layout.sizes(), " on ", layout.device());
   TORCH_CHECK_VALUE(layout.size(0) == count, "fused_adam_packed: layout has ",
                     layout.size(0), " rows but there are ", count, " params");
@@ -76,10 +77,10 @@ std::vector<ParamRegions> validate_packed_update(
 
   const at::Device device = arena.device();
   TORCH_CHECK_VALUE(steps.device() == device && steps.scalar_type() == c10::kFloat &&
-                        steps.is_contiguous() && steps.numel() == count,
-                    "fused_adam_packed: steps must be a contiguous float32 tensor of ", count,
-                    " elements on ", device, ", got ", steps.scalar_type(), " with ",
-                    steps.numel(), " elements on ", steps.device());
+                        steps.is_contiguous() && steps.dim() == 1,
+                    "fused_adam_packed: steps must be a contiguous 1-D float32 tensor on ", device,
+                    " (the step table the layout's step_index column points into), got ",
+                    steps.scalar_type(), " ", steps.sizes(), " on ", steps.device());
   check_amp_scalar(grad_scale, "grad_scale", device);
   check_amp_scalar(found_inf, "found_inf", device);
 
@@ -90,6 +91,7 @@ std::vector<ParamRegions> validate_packed_update(
   std::vector<ByteRange> ranges;
   ranges.reserve(count * 4);
   std::unordered_set<const void*> seen_params;
+  std::unordered_set<int64_t> seen_steps;
 
   for (int64_t i = 0; i < count; ++i) {
     const at::Tensor& param = params[i];
@@ -111,8 +113,21 @@ std::vector<ParamRegions> validate_packed_update(
                       " has shape ", param.sizes(), " but its grad has shape ", grad.sizes());
     const int64_t* row = rows + i * kLayoutColumns;
     const int64_t numel = row[kNumel];
-    TORCH_CHECK_VALUE(numel == param.numel(), "fused_adam_packed: param ", i,
-                      " has ", param.numel(), " elements but its layout row says ", numel);
+    const int64_t param_offset = row[kParamOffset];
+    TORCH_CHECK_VALUE(numel >= 0 && param_offset >= 0 && param_offset <= param.numel() &&
+                          numel <= param.numel() - param_offset,
+                      "fused_adam_packed: param ", i, " has ", param.numel(),
+                      " elements but its layout row updates ", numel, " of them from element ",
+                      param_offset, "; param_offset + numel must not exceed the param's numel");
+    const int64_t step_index = row[kStepIndex];
+    TORCH_CHECK_VALUE(step_index >= 0 && step_index < steps.numel(), "fused_adam_packed: param ", i,
+                      "'s step_index is ", step_index, " but steps has ", steps.numel(),
+                      " elements; point it at the param's step count");
+    TORCH_CHECK_VALUE(seen_steps.insert(step_index).second, "fused_adam_packed: param ", i,
+                      " uses step_index ", step_index,
+                      " like an earlier param; each row needs its own step count");
+    TORCH_CHECK_VALUE(row[kAdvanceStep] == 0 || row[kAdvanceStep] == 1, "fused_adam_packed: param ", i,
+                      "'s advance_step is ", row[kAdvanceStep], " but must be 0 or 1");
     if (numel > 0) {
       TORCH_CHECK_VALUE(seen_params.insert(param.data_ptr()).second,
                         "fused_adam_packed: param ", i,
@@ -128,6 +143,9 @@ std::vector<ParamRegions> validate_packed_update(
                       " so its states must be ", param.scalar_type(), " or float32, not ",
                       region.state_dtype);
     region.numel = numel;
+    region.param_offset = param_offset;
+    region.step_index = step_index;
+    region.advance_step = row[kAdvanceStep] == 1;
     region.exp_avg = row[kExpAvgOffset];
     region.exp_avg_sq = row[kExpAvgSqOffset];
     region.max_exp_avg_sq = row[kMaxExpAvgSqOffset];

@@ -12,25 +12,37 @@
 
 namespace swap_optimizer {
 
-// Columns of the int64 layout table, one row per parameter. Offsets are in
-// bytes from the start of the arena; kAbsent marks a state that is not kept.
+// Columns of the int64 layout table, one row per parameter (or piece of one).
+// State offsets are in bytes from the start of the arena; kAbsent marks a state
+// that is not kept. A row updates elements [param_offset, param_offset + numel)
+// of its param and grad, whose states sit at the offsets; its step count is
+// steps[step_index], read as the step before this one, and written back
+// incremented only when advance_step is 1 (the last piece of a split param, or
+// a whole param), so every piece of a param uses the same step.
 enum LayoutColumn : int64_t {
   kExpAvgOffset = 0,
   kExpAvgSqOffset = 1,
   kMaxExpAvgSqOffset = 2,
   kMasterOffset = 3,
   kNumel = 4,
-  kLayoutColumns = 5,
+  kParamOffset = 5,
+  kStepIndex = 6,
+  kAdvanceStep = 7,
+  kLayoutColumns = 8,
 };
 constexpr int64_t kAbsent = -1;
 
-// Byte offsets of one parameter's states, checked against its arena.
+// Byte offsets of one row's states, checked against its arena, and the part of
+// its param it updates.
 struct ParamRegions {
   int64_t exp_avg;
   int64_t exp_avg_sq;
   int64_t max_exp_avg_sq;  // kAbsent unless amsgrad
   int64_t master;          // kAbsent unless the fp32 master copy is kept
-  int64_t numel;
+  int64_t numel;           // elements this row updates
+  int64_t param_offset;    // its first element in the param and grad
+  int64_t step_index;      // into the steps tensor
+  bool advance_step;
   c10::ScalarType param_dtype;
   c10::ScalarType state_dtype;
 };

@@ -105,8 +105,8 @@ CopyBandwidth measure_copy_bandwidth(const c10::Device& device, int64_t bytes, i
   transport->record(Queue::kCompute, kStepBeginMarker);
   transport->wait(Queue::kHostToDevice, kStepBeginMarker);
   transport->wait(Queue::kDeviceToHost, kStepBeginMarker);
-  auto in = [&] { transport->copy_to_device(device_in.data_ptr(), host_in.data_ptr(), bytes); };
-  auto out = [&] { transport->copy_to_host(host_out.data_ptr(), device_out.data_ptr(), bytes); };
+  auto in = [&] { transport->copy_to_device({device_in.data_ptr(), bytes, host_in.data_ptr(), bytes, bytes, 1}); };
+  auto out = [&] { transport->copy_to_host({host_out.data_ptr(), bytes, device_out.data_ptr(), bytes, bytes, 1}); };
   in();  // warm up both directions
   out();
   transport->drain();

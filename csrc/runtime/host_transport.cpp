@@ -83,21 +83,20 @@ WorkerQueue* HostTransport::worker(Queue queue) {
   return nullptr;
 }
 
-void HostTransport::submit_copy(WorkerQueue* queue, void* dst, const void* src, int64_t bytes) {
+void HostTransport::submit_copy(WorkerQueue* queue, const StridedCopy& copy) {
   std::mt19937_64* random = queue == to_device_.get() ? &to_device_random_ : &to_host_random_;
-  queue->submit([delay = delay_, random, dst, src, bytes] {
+  queue->submit([delay = delay_, random, copy] {
     if (delay) (*delay)(*random);
-    std::memcpy(dst, src, static_cast<size_t>(bytes));
+    for (int64_t row = 0; row < copy.rows; ++row) {
+      std::memcpy(static_cast<char*>(copy.dst) + row * copy.dst_pitch,
+                  static_cast<const char*>(copy.src) + row * copy.src_pitch, static_cast<size_t>(copy.width));
+    }
   });
 }
 
-void HostTransport::copy_to_device(void* dst, const void* src, int64_t bytes) {
-  submit_copy(to_device_.get(), dst, src, bytes);
-}
+void HostTransport::copy_to_device(const StridedCopy& copy) { submit_copy(to_device_.get(), copy); }
 
-void HostTransport::copy_to_host(void* dst, const void* src, int64_t bytes) {
-  submit_copy(to_host_, dst, src, bytes);
-}
+void HostTransport::copy_to_host(const StridedCopy& copy) { submit_copy(to_host_, copy); }
 
 void HostTransport::record(Queue queue, int marker) {
   WorkerQueue* target = worker(queue);

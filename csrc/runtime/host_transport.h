@@ -55,8 +55,8 @@ class HostTransport final : public Transport {
   void set_copy_delay(int64_t max_microseconds, uint64_t seed);
 
   void begin_step() override {}
-  void copy_to_device(void* dst, const void* src, int64_t bytes) override;
-  void copy_to_host(void* dst, const void* src, int64_t bytes) override;
+  void copy_to_device(const StridedCopy& copy) override;
+  void copy_to_host(const StridedCopy& copy) override;
   void record(Queue queue, int marker) override;
   void wait(Queue queue, int marker) override;
   void host_wait(int marker) override;
@@ -68,7 +68,7 @@ class HostTransport final : public Transport {
     uint64_t ticket = 0;
   };
   WorkerQueue* worker(Queue queue);
-  void submit_copy(WorkerQueue* queue, void* dst, const void* src, int64_t bytes);
+  void submit_copy(WorkerQueue* queue, const StridedCopy& copy);
 
   std::unique_ptr<WorkerQueue> to_device_;
   std::unique_ptr<WorkerQueue> to_host_owned_;  // null when one worker does both directions

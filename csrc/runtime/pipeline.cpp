@@ -44,6 +44,14 @@ void run_pipeline(Transport& transport, BatchWork& work, const std::vector<int>&
     transport.record(Queue::kDeviceToHost, slot_marker(Marker::kUnstaged, slot));
   };
 
+  bool step_table_in = false;  // its copy out would otherwise write garbage to the host
+  auto stage_out_step_table = [&] {
+    transport.record(Queue::kCompute, kUpdatesDoneMarker);
+    transport.wait(Queue::kDeviceToHost, kUpdatesDoneMarker);
+    work.stage_out_step_table();
+    transport.record(Queue::kDeviceToHost, kStepTableOutMarker);
+  };
+
   try {
     transport.begin_step();
     // Copies in write arenas just allocated on the compute queue and read host
@@ -53,6 +61,8 @@ void run_pipeline(Transport& transport, BatchWork& work, const std::vector<int>&
     transport.wait(Queue::kCompute, kStepEndMarker);
     transport.record(Queue::kCompute, kStepBeginMarker);
     transport.wait(Queue::kHostToDevice, kStepBeginMarker);
+    work.stage_in_step_table();
+    step_table_in = true;
     stage_ready(-1);
     for (int64_t b = 0; b < batches; ++b) {
       if (b > 0) work.between_batches(b);
@@ -65,19 +75,23 @@ void run_pipeline(Transport& transport, BatchWork& work, const std::vector<int>&
       updated_not_out = -1;
       stage_ready(b);
     }
+    stage_out_step_table();
     for (const auto& [slot, batch] : last_user_of_slot) {
       transport.wait(Queue::kCompute, slot_marker(Marker::kUnstaged, slot));
     }
+    transport.wait(Queue::kCompute, kStepTableOutMarker);
     transport.record(Queue::kCompute, kStepEndMarker);
   } catch (...) {
     // Params updated in that batch are new: their states must reach the host too.
-    if (updated_not_out >= 0) {
-      try {
+    // The step counts of params whose last piece was updated are new too.
+    try {
+      if (updated_not_out >= 0) {
         transport.record(Queue::kCompute, slot_marker(Marker::kUpdated, slot_of_batch[updated_not_out]));
         stage_out(updated_not_out);
-      } catch (...) {
-        // Nothing more can be done here; the first error is the one reported.
       }
+      if (step_table_in) stage_out_step_table();
+    } catch (...) {
+      // Nothing more can be done here; the first error is the one reported.
     }
     transport.drain();
     throw;

@@ -7,6 +7,14 @@
 namespace swap_optimizer::runtime {
 namespace {
 
+// A whole param, or the elements [offset, offset + count) of one.
+struct Piece {
+  int64_t slot;
+  int64_t offset;
+  int64_t count;
+};
+using PieceBatches = std::vector<std::vector<Piece>>;
+
 // Number of ranges greedy filling needs when no range may exceed `capacity`.
 int64_t greedy_part_count(const std::vector<int64_t>& costs, int64_t capacity) {
   int64_t count = 1, sum = 0;
@@ -28,25 +36,171 @@ bool key_kept(const SlotSpec& slot, int key) {
   }
 }
 
-int64_t key_bytes(const SlotSpec& slot, int key) {
-  return slot.numel * (key == kMaster ? 4 : slot.state_element_size);
+int64_t key_width(const SlotSpec& slot, int key) { return key == kMaster ? 4 : slot.state_element_size; }
+
+// Arena bytes of `count` elements of a slot: every kept state on its own aligned region.
+int64_t piece_cost(const SlotSpec& slot, int64_t count) {
+  int64_t cost = 0;
+  for (int key = 0; key < kStateKeyCount; ++key) {
+    if (key_kept(slot, key)) cost += align_up(count * key_width(slot, key), kRegionAlignment);
+  }
+  return cost;
 }
 
-// Lays out `keys_swapped == swapped` states of each slot of a batch from `cursor`.
-int64_t place_states(const std::vector<SlotSpec>& specs, const std::vector<int64_t>& batch_slots,
-                     const KeyFlags& swap_keys, bool swapped, int64_t cursor,
-                     std::vector<SlotPlacement>& placements) {
-  for (int64_t slot : batch_slots) {
+int64_t bytes_per_element(const SlotSpec& slot) {
+  int64_t bytes = 0;
+  for (int key = 0; key < kStateKeyCount; ++key) {
+    if (key_kept(slot, key)) bytes += key_width(slot, key);
+  }
+  return bytes;
+}
+
+int64_t min_piece_elements(const SlotSpec& slot) {
+  const int64_t per_element = bytes_per_element(slot);
+  return align_up((kMinPieceBytes + per_element - 1) / per_element, kSplitGranule);
+}
+
+PieceBatches whole_param_batches(const std::vector<SlotSpec>& specs, const std::vector<int64_t>& slots,
+                                 const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+  PieceBatches batches;
+  for (const auto& [begin, end] : ranges) {
+    std::vector<Piece>& batch = batches.emplace_back();
+    for (int64_t i = begin; i < end; ++i) batch.push_back({slots[i], 0, specs[slots[i]].numel});
+  }
+  return batches;
+}
+
+// Fills batches of about `capacity` bytes in order. A param that does not fit
+// stays whole when it overshoots by at most a piece; otherwise it is split at a
+// granule so its head fills the batch, as long as head and rest are each at
+// least a piece. A batch only ever exceeds the capacity by less than a piece,
+// or holds a single piece or unsplittable param larger than the capacity.
+PieceBatches fill_with_splits(const std::vector<SlotSpec>& specs, const std::vector<int64_t>& slots,
+                              int64_t capacity) {
+  PieceBatches batches(1);
+  int64_t used = 0;
+  auto close_batch = [&] {
+    batches.emplace_back();
+    used = 0;
+  };
+  for (int64_t slot : slots) {
     const SlotSpec& spec = specs[slot];
-    for (int key = 0; key < kStateKeyCount; ++key) {
-      if (!key_kept(spec, key)) continue;
-      const bool key_swapped = spec.swappable && swap_keys[key];
-      if (key_swapped != swapped) continue;
-      cursor = align_up(cursor, kRegionAlignment);
-      placements[slot].arena_offset[key] = cursor;
-      placements[slot].swapped[key] = key_swapped;
-      cursor += key_bytes(spec, key);
+    const int64_t min_piece = min_piece_elements(spec);
+    const int64_t per_element = bytes_per_element(spec);
+    int64_t offset = 0, remaining = spec.numel;
+    while (remaining > 0) {
+      const int64_t cost = piece_cost(spec, remaining);
+      const int64_t room = capacity - used;
+      if (cost <= room + kMinPieceBytes || (used == 0 && remaining < 2 * min_piece)) {
+        batches.back().push_back({slot, offset, remaining});
+        used += cost;
+        break;
+      }
+      if (remaining >= 2 * min_piece) {
+        // The largest granule-aligned head that fits, leaving at least a piece behind
+        // (a multiple of the granule has no alignment padding).
+        int64_t head = std::max<int64_t>(room, 0) / per_element / kSplitGranule * kSplitGranule;
+        head = std::min(head, (remaining - min_piece) / kSplitGranule * kSplitGranule);
+        if (head < min_piece && used == 0) head = min_piece;  // the capacity is below one piece
+        if (head >= min_piece) {
+          batches.back().push_back({slot, offset, head});
+          offset += head;
+          remaining -= head;
+        }
+      }
+      close_batch();
     }
+  }
+  if (batches.back().empty()) batches.pop_back();
+  return batches;
+}
+
+int64_t largest_batch_cost(const std::vector<SlotSpec>& specs, const PieceBatches& batches) {
+  int64_t largest = 0;
+  for (const auto& batch : batches) {
+    int64_t cost = 0;
+    for (const Piece& piece : batch) cost += piece_cost(specs[piece.slot], piece.count);
+    largest = std::max(largest, cost);
+  }
+  return largest;
+}
+
+PieceBatches partition_pieces(const std::vector<SlotSpec>& specs, const std::vector<int64_t>& slots,
+                              int64_t parts) {
+  if (slots.empty()) return {};
+  std::vector<int64_t> costs;
+  for (int64_t slot : slots) costs.push_back(piece_cost(specs[slot], specs[slot].numel));
+  const int64_t total = std::accumulate(costs.begin(), costs.end(), int64_t{0});
+  const int64_t ideal = (total + parts - 1) / parts;
+  PieceBatches whole = whole_param_batches(specs, slots, partition_balanced(costs, parts));
+  if (largest_batch_cost(specs, whole) <= ideal + kMinPieceBytes) return whole;
+  // The smallest capacity for which filling with splits needs at most `parts`
+  // batches. Batches hold less than capacity + a piece, so none below
+  // ideal - piece can do.
+  int64_t low = std::max<int64_t>(1, ideal - kMinPieceBytes), high = total;
+  while (low < high) {
+    const int64_t mid = low + (high - low) / 2;
+    if (static_cast<int64_t>(fill_with_splits(specs, slots, mid).size()) <= parts) high = mid; else low = mid + 1;
+  }
+  // Near that capacity the last batch may still overshoot by up to a piece;
+  // a slightly larger capacity can balance it better: take the best of a few.
+  PieceBatches best = whole;
+  int64_t best_cost = largest_batch_cost(specs, whole);
+  for (int64_t capacity = low; capacity <= low + 2 * kMinPieceBytes; capacity += kMinPieceBytes / 16) {
+    PieceBatches split = fill_with_splits(specs, slots, capacity);
+    const int64_t cost = largest_batch_cost(specs, split);
+    if (static_cast<int64_t>(split.size()) <= parts && cost < best_cost) {
+      best = std::move(split);
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+// The kept states of a slot that live on the host (swapped) or on the device.
+std::vector<int> keys_at(const SlotSpec& spec, const KeyFlags& swap_keys, bool host) {
+  std::vector<int> keys;
+  for (int key = 0; key < kStateKeyCount; ++key) {
+    if (key_kept(spec, key) && (spec.swappable && swap_keys[key]) == host) keys.push_back(key);
+  }
+  return keys;
+}
+
+// Lays the given states of a whole param one after another from `cursor`,
+// each aligned; records where each lands at home (`home_base` + position, in
+// `region`) and, when `arena_offset` is given, in the arena. Returns the end.
+int64_t place_whole(const SlotSpec& spec, const std::vector<int>& keys, int64_t cursor, int64_t region,
+                    int64_t home_base, KeyOffsets* arena_offset, SlotPlacement& placement) {
+  for (int key : keys) {
+    cursor = align_up(cursor, kRegionAlignment);
+    if (arena_offset != nullptr) (*arena_offset)[key] = cursor;
+    placement.home[key] = {region, home_base + cursor};
+    cursor += spec.numel * key_width(spec, key);
+  }
+  return cursor;
+}
+
+// Lays a piece of a split param's states from `cursor` and adds the copies that
+// move them from their homes: one strided copy per run of states of equal
+// width (their rows lie at one pitch at home and in the arena). Returns the end.
+int64_t place_piece(const SlotSpec& spec, const std::vector<int>& keys, const SlotPlacement& placement,
+                    int64_t cursor, PieceRow& row, std::vector<RegionCopy>& copies) {
+  size_t k = 0;
+  while (k < keys.size()) {
+    const int64_t width = key_width(spec, keys[k]);
+    size_t end = k + 1;
+    while (end < keys.size() && key_width(spec, keys[end]) == width) ++end;
+    cursor = align_up(cursor, kRegionAlignment);
+    const int64_t arena_pitch = align_up(row.count * width, kRegionAlignment);
+    const StateHome& first = placement.home[keys[k]];
+    copies.push_back({first.region, first.offset + row.element_offset * width,
+                      align_up(spec.numel * width, kRegionAlignment), cursor, arena_pitch,
+                      row.count * width, static_cast<int64_t>(end - k)});
+    for (size_t r = k; r < end; ++r) {
+      row.arena_offset[keys[r]] = cursor;
+      cursor += r + 1 < end ? arena_pitch : row.count * width;
+    }
+    k = end;
   }
   return cursor;
 }
@@ -88,64 +242,108 @@ StorePlan plan_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_ke
   if (swap_times < 1) throw std::invalid_argument("plan_store: swap_times must be >= 1");
   StorePlan plan;
   const int64_t slot_count = static_cast<int64_t>(specs.size());
-  plan.slots.assign(slot_count, SlotPlacement{-1, -1, {kNoOffset, kNoOffset, kNoOffset, kNoOffset},
-                                              {false, false, false, false}});
+  plan.slots.assign(slot_count, SlotPlacement{});
+  plan.host_region_bytes.push_back(slot_count * kStepBytes);  // kStepTableRegion
+  plan.step_table_bytes = align_up(slot_count * kStepBytes, kRegionAlignment);
 
-  std::vector<int64_t> resident_slots, swappable_slots, costs;
-  for (int64_t i = 0; i < slot_count; ++i) {
-    const SlotSpec& spec = specs[i];
-    if (!spec.swappable) {
-      resident_slots.push_back(i);
-      continue;
-    }
-    swappable_slots.push_back(i);
-    int64_t cost = kStepBytes;
-    for (int key = 0; key < kStateKeyCount; ++key) {
-      if (key_kept(spec, key)) cost += align_up(key_bytes(spec, key), kRegionAlignment);
-    }
-    costs.push_back(cost);
-  }
+  std::vector<int64_t> resident_slots, swappable_slots;
+  for (int64_t i = 0; i < slot_count; ++i) (specs[i].swappable ? swappable_slots : resident_slots).push_back(i);
 
   if (!resident_slots.empty()) {
-    BatchPlan batch;
-    batch.slots = resident_slots;
+    BatchPlan& batch = plan.batches.emplace_back();
     batch.resident = true;
-    plan.batches.push_back(batch);
-  }
-  for (const auto& [begin, end] : partition_balanced(costs, swap_times)) {
-    BatchPlan batch;
-    batch.slots.assign(swappable_slots.begin() + begin, swappable_slots.begin() + end);
-    plan.batches.push_back(batch);
-    ++plan.rotating_batches;
+    int64_t cursor = 0;
+    for (int64_t slot : resident_slots) {
+      PieceRow& row = batch.rows.emplace_back(PieceRow{slot, 0, specs[slot].numel, {}, true});
+      row.arena_offset.fill(kNoOffset);
+      cursor = place_whole(specs[slot], keys_at(specs[slot], swap_keys, false), cursor, kResidentStore, 0,
+                           &row.arena_offset, plan.slots[slot]);
+      plan.slots[slot].first_batch = plan.slots[slot].last_batch = 0;
+    }
+    batch.arena_bytes = cursor;
+    plan.resident_store_bytes = align_up(cursor, kRegionAlignment);
   }
 
-  for (int64_t b = 0; b < static_cast<int64_t>(plan.batches.size()); ++b) {
-    BatchPlan& batch = plan.batches[b];
-    const int64_t count = static_cast<int64_t>(batch.slots.size());
-    for (int64_t k = 0; k < count; ++k) {
-      plan.slots[batch.slots[k]].batch = b;
-      plan.slots[batch.slots[k]].index_in_batch = k;
+  const PieceBatches pieces = partition_pieces(specs, swappable_slots, swap_times);
+  const int64_t first_rotating = static_cast<int64_t>(plan.batches.size());
+  for (size_t b = 0; b < pieces.size(); ++b) {
+    for (const Piece& piece : pieces[b]) {
+      SlotPlacement& placement = plan.slots[piece.slot];
+      if (placement.first_batch < 0) placement.first_batch = first_rotating + static_cast<int64_t>(b);
+      placement.last_batch = first_rotating + static_cast<int64_t>(b);
+      placement.split = piece.count != specs[piece.slot].numel;
     }
-    batch.steps_bytes = align_up(count * kStepBytes, kRegionAlignment);
-    if (batch.resident) {
-      // Only the step table travels; every state sits in the resident store.
-      batch.host_bytes = count * kStepBytes;
-      batch.resident_begin = 0;
-      batch.arena_bytes = place_states(specs, batch.slots, swap_keys, false, batch.steps_bytes, plan.slots);
-    } else {
-      batch.host_bytes = place_states(specs, batch.slots, swap_keys, true, batch.steps_bytes, plan.slots);
-      batch.resident_begin = align_up(batch.host_bytes, kRegionAlignment);
-      const int64_t end = place_states(specs, batch.slots, swap_keys, false, batch.resident_begin, plan.slots);
-      batch.arena_bytes = end > batch.resident_begin ? end : batch.host_bytes;
-      plan.staging_arena_bytes = std::max(plan.staging_arena_bytes, batch.arena_bytes);
-    }
-    const int64_t resident_part = batch.arena_bytes - batch.resident_begin;
-    if (resident_part > 0) {
-      batch.resident_offset = plan.resident_store_bytes;
-      plan.resident_store_bytes += align_up(resident_part, kRegionAlignment);
-    }
-    plan.host_bytes += batch.host_bytes;
   }
+  // A split param keeps each state whole at home: its swapped states in a host
+  // region of its own, its device-kept states in a block of the resident store,
+  // one after another, each aligned.
+  for (int64_t slot : swappable_slots) {
+    SlotPlacement& placement = plan.slots[slot];
+    if (!placement.split) continue;
+    const std::vector<int> host_keys = keys_at(specs[slot], swap_keys, true);
+    if (!host_keys.empty()) {
+      const int64_t region = static_cast<int64_t>(plan.host_region_bytes.size());
+      plan.host_region_bytes.push_back(place_whole(specs[slot], host_keys, 0, region, 0, nullptr, placement));
+    }
+    const int64_t block = plan.resident_store_bytes;
+    const int64_t end = place_whole(specs[slot], keys_at(specs[slot], swap_keys, false), 0, kResidentStore, block,
+                                    nullptr, placement);
+    plan.resident_store_bytes += align_up(end, kRegionAlignment);
+  }
+
+  for (const std::vector<Piece>& batch_pieces : pieces) {
+    BatchPlan& batch = plan.batches.emplace_back();
+    for (const Piece& piece : batch_pieces) {
+      PieceRow& row = batch.rows.emplace_back(PieceRow{piece.slot, piece.offset, piece.count, {}, false});
+      row.arena_offset.fill(kNoOffset);
+      row.advances_step = piece.offset + piece.count == specs[piece.slot].numel;
+    }
+    // Host states: whole params packed as in the batch's own host region, then pieces.
+    const int64_t packed_region = static_cast<int64_t>(plan.host_region_bytes.size());
+    int64_t cursor = 0;
+    for (PieceRow& row : batch.rows) {
+      if (plan.slots[row.slot].split) continue;
+      cursor = place_whole(specs[row.slot], keys_at(specs[row.slot], swap_keys, true), cursor, packed_region, 0,
+                           &row.arena_offset, plan.slots[row.slot]);
+    }
+    if (cursor > 0) {
+      plan.host_region_bytes.push_back(cursor);
+      batch.host_copies.push_back({packed_region, 0, cursor, 0, cursor, cursor, 1});
+    }
+    for (PieceRow& row : batch.rows) {
+      if (!plan.slots[row.slot].split) continue;
+      cursor = place_piece(specs[row.slot], keys_at(specs[row.slot], swap_keys, true), plan.slots[row.slot], cursor,
+                           row, batch.host_copies);
+    }
+    // Device-kept states after them: whole params as in the batch's block of the
+    // resident store (one copy), then pieces from their params' blocks.
+    const int64_t resident_begin = align_up(cursor, kRegionAlignment);
+    const int64_t block = plan.resident_store_bytes - resident_begin;  // home = block + arena offset
+    int64_t resident_end = resident_begin;
+    for (PieceRow& row : batch.rows) {
+      if (plan.slots[row.slot].split) continue;
+      resident_end = place_whole(specs[row.slot], keys_at(specs[row.slot], swap_keys, false), resident_end,
+                                 kResidentStore, block, &row.arena_offset, plan.slots[row.slot]);
+    }
+    if (resident_end > resident_begin) {
+      const int64_t bytes = resident_end - resident_begin;
+      batch.resident_copies.push_back({kResidentStore, plan.resident_store_bytes, bytes, resident_begin, bytes,
+                                       bytes, 1});
+      plan.resident_store_bytes += align_up(bytes, kRegionAlignment);
+    }
+    for (PieceRow& row : batch.rows) {
+      if (!plan.slots[row.slot].split) continue;
+      resident_end = place_piece(specs[row.slot], keys_at(specs[row.slot], swap_keys, false), plan.slots[row.slot],
+                                 resident_end, row, batch.resident_copies);
+    }
+    for (const RegionCopy& copy : batch.host_copies) batch.host_bytes += copy.width * copy.rows;
+    batch.arena_bytes = std::max(cursor, resident_end);
+    plan.staging_arena_bytes = std::max(plan.staging_arena_bytes, batch.arena_bytes);
+    plan.moved_bytes += batch.host_bytes;
+    ++plan.rotating_batches;
+  }
+  plan.moved_bytes += plan.host_region_bytes[kStepTableRegion];
+  plan.host_bytes = std::accumulate(plan.host_region_bytes.begin(), plan.host_region_bytes.end(), int64_t{0});
   return plan;
 }
 

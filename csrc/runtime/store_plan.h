@@ -1,6 +1,9 @@
-// Where every optimizer state lives: the partition of params into batches and
-// the byte layout of each batch's host region, staging arena and resident part.
-// Plain C++ (no torch), so it can be tested on its own.
+// Where every optimizer state lives: the partition of the params' elements into
+// batches (a large param may be split into pieces across batches), the byte
+// layout of the host regions, of each batch's staging arena and of the resident
+// store, and the copies that move a batch between them. Plain C++ (no torch), so
+// it can be tested on its own; the runtime follows this plan and decides nothing
+// about layout itself.
 #pragma once
 
 #include <array>
@@ -15,6 +18,12 @@ namespace swap_optimizer::runtime {
 constexpr int64_t kRegionAlignment = 256;
 constexpr int64_t kNoOffset = -1;
 constexpr int64_t kStepBytes = 4;  // one float32 step count per param, as torch.optim keeps
+// A piece of a split param starts at a multiple of this many elements: whole
+// vectors, whole 32-bit words of 16-bit dtypes, whole blocks of quantized states.
+constexpr int64_t kSplitGranule = 256;
+// No piece of a split param holds less state than this, so a small budget or a
+// large swap_times cannot turn a step into thousands of tiny copies.
+constexpr int64_t kMinPieceBytes = int64_t{64} << 10;
 
 enum StateKey : int { kExpAvg = 0, kExpAvgSq = 1, kMaxExpAvgSq = 2, kMaster = 3, kStateKeyCount = 4 };
 using KeyFlags = std::array<bool, kStateKeyCount>;
@@ -28,36 +37,75 @@ struct SlotSpec {
   bool swappable;              // false: all its states stay in the resident store
 };
 
-struct SlotPlacement {
-  int64_t batch;           // index into StorePlan::batches
-  int64_t index_in_batch;  // row of its step count in the batch's step table
-  KeyOffsets arena_offset; // byte offset of each state in the batch's arena; kNoOffset if not kept
-  KeyFlags swapped;        // true: the state travels with the host region; false: resident
+// Host region 0 is the step table: one float32 per param, at 4 * param index,
+// copied to a device step table at the start of a step and back at its end.
+constexpr int64_t kStepTableRegion = 0;
+// The `region` of a state or copy that lives in the device's resident store.
+constexpr int64_t kResidentStore = -1;
+
+// Where one state of a param lives between steps: a host region or the resident
+// store, and the byte offset of its first element there. The state is one
+// contiguous tensor of numel elements (a split param's pieces are not cut out).
+struct StateHome {
+  int64_t region = kResidentStore;
+  int64_t offset = kNoOffset;  // kNoOffset: the param does not keep this state
 };
 
-// One batch of the pipeline. Its arena holds, in order: the step table
-// [0, steps_bytes), the swapped states (the host region is exactly the first
-// host_bytes bytes, copied in one piece each way), then from resident_begin the
-// states that stay on the device, kept at resident_offset in the resident store.
-// The resident batch (params too small or not swappable) uses the resident
-// store itself as its arena, so only its step table travels.
+struct SlotPlacement {
+  std::array<StateHome, kStateKeyCount> home;
+  int64_t first_batch = -1;  // the batches holding its pieces, in pipeline order
+  int64_t last_batch = -1;
+  bool split = false;        // its elements are spread over several batches
+};
+
+// One row of a batch's fused update: a whole param or a piece of one.
+struct PieceRow {
+  int64_t slot;
+  int64_t element_offset;  // first element of the piece in the param
+  int64_t count;           // elements in the piece
+  KeyOffsets arena_offset; // byte offset of each kept state's piece in the arena; kNoOffset if not kept
+  bool advances_step;      // the param's last piece: its update advances the step count
+};
+
+// `rows` rows of `width` bytes between a home (a host region, or the resident
+// store for a device-to-device copy) and the arena; rows are `pitch` bytes apart
+// at home and `arena_pitch` bytes apart in the arena.
+struct RegionCopy {
+  int64_t region;
+  int64_t offset;
+  int64_t pitch;
+  int64_t arena_offset;
+  int64_t arena_pitch;
+  int64_t width;
+  int64_t rows;
+};
+
+// One batch of the pipeline. Its arena holds the host-swapped states of its rows
+// (first the whole params, packed exactly as in the batch's own host region, so
+// one copy moves them; then each piece of a split param, its states row by row),
+// then the states kept on the device, which join the arena for the update.
+// The resident batch (params too small or not swappable) uses its block of the
+// resident store as its arena, so nothing of it travels.
 struct BatchPlan {
-  std::vector<int64_t> slots;
-  int64_t steps_bytes = 0;
-  int64_t host_bytes = 0;
-  int64_t resident_begin = 0;
+  std::vector<PieceRow> rows;
+  std::vector<RegionCopy> host_copies;      // over the link, the same each way
+  std::vector<RegionCopy> resident_copies;  // device to device, in before the update and out after
+  int64_t host_bytes = 0;                   // moved each way
   int64_t arena_bytes = 0;
-  int64_t resident_offset = 0;
+  int64_t resident_offset = 0;              // resident batch: where its arena lies in the resident store
   bool resident = false;
 };
 
 struct StorePlan {
   std::vector<SlotPlacement> slots;
-  std::vector<BatchPlan> batches;  // the resident batch, if any, comes first
-  int64_t rotating_batches = 0;    // batches that go through staging arenas
-  int64_t staging_arena_bytes = 0; // the largest arena of a rotating batch
+  std::vector<BatchPlan> batches;          // the resident batch, if any, comes first
+  std::vector<int64_t> host_region_bytes;  // exact size of each host region; 0 is the step table
+  int64_t rotating_batches = 0;            // batches that go through staging arenas
+  int64_t staging_arena_bytes = 0;         // the largest arena of a rotating batch
+  int64_t step_table_bytes = 0;            // the device step table, allocated with the arenas
   int64_t resident_store_bytes = 0;
-  int64_t host_bytes = 0;
+  int64_t host_bytes = 0;                  // all host regions
+  int64_t moved_bytes = 0;                 // bytes a step moves each way, step table included
 };
 
 constexpr int64_t align_up(int64_t value, int64_t alignment) {
@@ -71,6 +119,14 @@ std::vector<std::pair<int64_t, int64_t>> partition_balanced(const std::vector<in
 
 // `swap_keys` says which states of swappable slots go to the host store; the
 // others stay in the resident store. swap_times >= 1.
+//
+// Swappable slots are cut, in order, into at most swap_times batches. When whole
+// params can be balanced to within kMinPieceBytes of the ideal (state / swap_times),
+// no param is split and the largest batch is as small as any contiguous split of
+// whole params makes it. Otherwise a param is split where keeping it whole would
+// put a batch more than a piece over the capacity, at multiples of kSplitGranule
+// elements, and the capacity is the smallest for which swap_times batches suffice:
+// the largest arena is then at most about state / swap_times + 2 * kMinPieceBytes.
 StorePlan plan_store(const std::vector<SlotSpec>& slots, const KeyFlags& swap_keys,
                      int64_t swap_times);
 

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <csignal>
+#include <sstream>
 
 namespace swap_optimizer::runtime {
 namespace {
@@ -64,29 +65,37 @@ std::vector<SlotSpec> make_slot_specs(const std::vector<at::Tensor>& params,
   return specs;
 }
 
+int64_t staging_bytes_of(const StorePlan& plan, int64_t num_arenas) {
+  return std::min(num_arenas, plan.rotating_batches) * plan.staging_arena_bytes + plan.step_table_bytes;
+}
+
 int64_t smallest_swap_times_for_budget(const std::vector<SlotSpec>& specs, const KeyFlags& swap_keys,
                                        int64_t num_arenas, int64_t budget_bytes,
                                        int64_t* smallest_possible_bytes) {
+  auto staging_bytes = [&](int64_t swap_times) {
+    return staging_bytes_of(plan_store(specs, swap_keys, swap_times), num_arenas);
+  };
+  // The finest split worth asking for: a batch per swappable param, or a batch
+  // per smallest piece of the state, whichever is more.
   const int64_t swappable = std::count_if(specs.begin(), specs.end(),
                                           [](const SlotSpec& s) { return s.swappable; });
-  auto staging_bytes = [&](int64_t swap_times) {
-    const StorePlan plan = plan_store(specs, swap_keys, swap_times);
-    return std::min(num_arenas, plan.rotating_batches) * plan.staging_arena_bytes;
-  };
-  const int64_t most = std::max<int64_t>(swappable, 1);
+  const int64_t whole_state_arena = plan_store(specs, swap_keys, 1).staging_arena_bytes;
+  const int64_t most = std::max<int64_t>({swappable, whole_state_arena / kMinPieceBytes, 1});
   *smallest_possible_bytes = staging_bytes(most);
   // Below num_arenas batches every extra batch adds an arena: try each count.
   for (int64_t k = 1; k <= std::min(num_arenas, most); ++k) {
     if (staging_bytes(k) <= budget_bytes) return k;
   }
-  if (staging_bytes(most) > budget_bytes) return -1;
+  if (*smallest_possible_bytes > budget_bytes) return -1;
   // From num_arenas batches on the arena count is fixed and the largest batch
-  // only shrinks as batches are added: bisect.
+  // shrinks as batches are added (up to a piece of rounding): bisect, then step
+  // back while a smaller count still fits.
   int64_t low = std::min(num_arenas, most) + 1, high = most;
   while (low < high) {
     const int64_t mid = low + (high - low) / 2;
     if (staging_bytes(mid) <= budget_bytes) high = mid; else low = mid + 1;
   }
+  while (low > std::min(num_arenas, most) + 1 && staging_bytes(low - 1) <= budget_bytes) --low;
   return low;
 }
 
@@ -98,45 +107,73 @@ class SwapRuntime::Step final : public BatchWork {
       : runtime_(runtime), grads_(std::move(grads)), group_args_(group_args), grad_scale_(grad_scale),
         found_inf_(found_inf), check_interrupt_(check_interrupt) {}
 
+  void stage_in_step_table() override {
+    const int64_t bytes = runtime_.plan_.host_region_bytes[kStepTableRegion];
+    runtime_.transport_->copy_to_device({runtime_.device_steps_.data_ptr(), bytes,
+                                         runtime_.host_slabs_[kStepTableRegion].data_ptr(), bytes, bytes, 1});
+  }
+
+  void stage_out_step_table() override {
+    const int64_t bytes = runtime_.plan_.host_region_bytes[kStepTableRegion];
+    runtime_.transport_->copy_to_host({runtime_.host_slabs_[kStepTableRegion].data_ptr(), bytes,
+                                       runtime_.device_steps_.data_ptr(), bytes, bytes, 1});
+  }
+
   void stage_in(int64_t batch, int slot) override {
     inject(FaultPoint::kStageIn, batch, "copy in");
-    const BatchPlan& plan = runtime_.plan_.batches[batch];
-    runtime_.transport_->copy_to_device(runtime_.arena_for(batch, slot).data_ptr(),
-                                        runtime_.host_slabs_[batch].data_ptr(), plan.host_bytes);
+    auto* arena = static_cast<uint8_t*>(runtime_.arena_for(batch, slot).data_ptr());
+    for (const RegionCopy& copy : runtime_.plan_.batches[batch].host_copies) {
+      runtime_.transport_->copy_to_device({arena + copy.arena_offset, copy.arena_pitch, host_at(copy), copy.pitch,
+                                           copy.width, copy.rows});
+    }
   }
 
   void stage_out(int64_t batch, int slot) override {
-    const BatchPlan& plan = runtime_.plan_.batches[batch];
-    runtime_.transport_->copy_to_host(runtime_.host_slabs_[batch].data_ptr(),
-                                      runtime_.arena_for(batch, slot).data_ptr(), plan.host_bytes);
+    const auto* arena = static_cast<const uint8_t*>(runtime_.arena_for(batch, slot).data_ptr());
+    for (const RegionCopy& copy : runtime_.plan_.batches[batch].host_copies) {
+      runtime_.transport_->copy_to_host({host_at(copy), copy.pitch, arena + copy.arena_offset, copy.arena_pitch,
+                                         copy.width, copy.rows});
+    }
   }
 
+  // Interrupts are taken only where no param is cut, so an interrupted step
+  // leaves every param wholly old or wholly new.
   void between_batches(int64_t next_batch) override {
     if (runtime_.hooks_.fault == FaultPoint::kInterrupt && runtime_.hooks_.fault_batch == next_batch) {
       std::raise(SIGINT);  // delivered to Python by check_interrupt, like a real Ctrl-C
     }
-    if (check_interrupt_) check_interrupt_();
+    const bool cuts_a_param = runtime_.plan_.batches[next_batch].rows.front().element_offset > 0;
+    if (check_interrupt_ && !cuts_a_param) check_interrupt_();
   }
 
   void update(int64_t batch, int slot) override {
+    progress_ = {batch, 0};
     inject(FaultPoint::kUpdate, batch, "update");
     const BatchPlan& plan = runtime_.plan_.batches[batch];
     const at::Tensor arena = runtime_.arena_for(batch, slot);
     // States kept on the device join the arena for the update and go back after it.
-    const int64_t resident_part = plan.arena_bytes - plan.resident_begin;
-    at::Tensor resident_in_arena, resident_home;
-    if (!plan.resident && resident_part > 0) {
-      resident_in_arena = arena.narrow(0, plan.resident_begin, resident_part);
-      resident_home = runtime_.resident_store_.narrow(0, plan.resident_offset, resident_part);
-      resident_in_arena.copy_(resident_home);
-    }
+    auto join = [&](bool into_arena) {
+      for (const RegionCopy& copy : plan.resident_copies) {
+        at::Tensor in_arena = arena.as_strided({copy.rows, copy.width}, {copy.arena_pitch, 1}, copy.arena_offset);
+        at::Tensor home = runtime_.resident_store_.as_strided({copy.rows, copy.width}, {copy.pitch, 1}, copy.offset);
+        if (into_arena) in_arena.copy_(home); else home.copy_(in_arena);
+      }
+    };
+    join(true);
     try {
-      update_params(batch, arena);
+      update_rows(batch, arena);
     } catch (...) {
-      if (resident_home.defined()) resident_home.copy_(resident_in_arena);
+      join(false);
       throw;
     }
-    if (resident_home.defined()) resident_home.copy_(resident_in_arena);
+    join(false);
+    progress_ = {batch + 1, 0};
+  }
+
+  // Whether the update of `row` of `batch` has run (its param has a grad and its op call returned).
+  bool row_updated(int64_t batch, int64_t row) const {
+    if (!grads_[runtime_.plan_.batches[batch].rows[row].slot].defined()) return false;
+    return batch < progress_.first || (batch == progress_.first && row < progress_.second);
   }
 
  private:
@@ -146,38 +183,40 @@ class SwapRuntime::Step final : public BatchWork {
                 "SwapOptimizer: injected test fault at the ", what, " of batch ", batch);
   }
 
-  // One op call per run of consecutive params of one group that have grads.
-  void update_params(int64_t batch, const at::Tensor& arena) {
+  void* host_at(const RegionCopy& copy) const {
+    return static_cast<uint8_t*>(runtime_.host_slabs_[copy.region].data_ptr()) + copy.offset;
+  }
+
+  // One op call per run of consecutive rows of one group that have grads.
+  void update_rows(int64_t batch, const at::Tensor& arena) {
     const BatchPlan& plan = runtime_.plan_.batches[batch];
-    const int64_t count = static_cast<int64_t>(plan.slots.size());
-    const at::Tensor steps = arena.narrow(0, 0, count * kStepBytes).view(at::kFloat);
-    const at::Tensor states = arena.narrow(0, plan.steps_bytes, plan.arena_bytes - plan.steps_bytes);
+    const int64_t count = static_cast<int64_t>(plan.rows.size());
     const at::Tensor& layout = runtime_.layouts_[batch];
     int64_t begin = 0;
     while (begin < count) {
-      const int64_t first = plan.slots[begin];
+      const int64_t first = plan.rows[begin].slot;
       if (!grads_[first].defined()) {
         ++begin;
         continue;
       }
       const int64_t group = runtime_.group_of_param_[first];
       int64_t end = begin + 1;
-      while (end < count && grads_[plan.slots[end]].defined() &&
-             runtime_.group_of_param_[plan.slots[end]] == group) {
+      while (end < count && grads_[plan.rows[end].slot].defined() &&
+             runtime_.group_of_param_[plan.rows[end].slot] == group) {
         ++end;
       }
-      call_op(plan, begin, end, states, layout.narrow(0, begin, end - begin),
-              steps.narrow(0, begin, end - begin), group_args_[group]);
+      call_op(plan, begin, end, arena, layout.narrow(0, begin, end - begin), group_args_[group]);
+      progress_.second = end;
       begin = end;
     }
   }
 
-  void call_op(const BatchPlan& plan, int64_t begin, int64_t end, const at::Tensor& states,
-               const at::Tensor& layout, const at::Tensor& steps, const PackedUpdateArgs& args) {
+  void call_op(const BatchPlan& plan, int64_t begin, int64_t end, const at::Tensor& arena,
+               const at::Tensor& layout, const PackedUpdateArgs& args) {
     std::vector<at::Tensor> params, grads;
     std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (param, contiguous copy)
     for (int64_t k = begin; k < end; ++k) {
-      const int64_t slot = plan.slots[k];
+      const int64_t slot = plan.rows[k].slot;
       const at::Tensor& param = runtime_.params_[slot];
       if (param.is_contiguous()) {
         params.push_back(param);
@@ -188,10 +227,9 @@ class SwapRuntime::Step final : public BatchWork {
       }
       grads.push_back(grads_[slot]);
     }
-    fused_adam_packed_op().call(params, grads, states, layout, steps, args.lr, args.beta1,
-                                args.beta2, args.eps, args.weight_decay, args.amsgrad,
-                                args.maximize, args.decoupled_weight_decay,
-                                runtime_.options_.state_dtype, grad_scale_, found_inf_);
+    fused_adam_packed_op().call(params, grads, arena, layout, runtime_.device_steps_, args.lr, args.beta1,
+                                args.beta2, args.eps, args.weight_decay, args.amsgrad, args.maximize,
+                                args.decoupled_weight_decay, runtime_.options_.state_dtype, grad_scale_, found_inf_);
     for (auto& [param, updated] : write_back) param.copy_(updated);
   }
 
@@ -201,6 +239,7 @@ class SwapRuntime::Step final : public BatchWork {
   const std::optional<at::Tensor>& grad_scale_;
   const std::optional<at::Tensor>& found_inf_;
   const std::function<void()>& check_interrupt_;
+  std::pair<int64_t, int64_t> progress_{0, 0};  // (batch, rows of it) whose updates have run
 };
 
 SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> group_of_param,
@@ -241,38 +280,40 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
     slot_of_batch_.push_back(batch.resident ? arena_count_ : static_cast<int>(rotating++ % arena_count_));
   }
 
-  // Host slabs: one exact-size allocation per batch.
+  // Host slabs: one exact-size allocation per host region of the plan.
   const bool pin = device_.is_cuda() && options_.pin_memory;
   pinned_ = pin;
-  for (const BatchPlan& batch : plan_.batches) {
+  for (const int64_t bytes : plan_.host_region_bytes) {
     bool pinned = false;
-    host_slabs_.push_back(allocate_host_slab(batch.host_bytes, pin, &pinned));
+    host_slabs_.push_back(allocate_host_slab(bytes, pin, &pinned));
     if (pin && !pinned) {
       pinned_ = false;
-      unpinned_bytes_ += batch.host_bytes;
+      unpinned_bytes_ += bytes;
     }
   }
   if (plan_.resident_store_bytes > 0) {
     resident_store_ = at::zeros({plan_.resident_store_bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
   }
 
-  // The op's layout tables, offsets counted from the end of the step table.
+  // The op's layout tables: one row per whole param or piece, offsets from the arena's start.
   for (const BatchPlan& batch : plan_.batches) {
-    const int64_t count = static_cast<int64_t>(batch.slots.size());
+    const int64_t count = static_cast<int64_t>(batch.rows.size());
     at::Tensor layout = at::empty({count, kLayoutColumns}, at::TensorOptions().dtype(at::kLong));
     int64_t* rows = layout.data_ptr<int64_t>();
     for (int64_t k = 0; k < count; ++k) {
-      const SlotPlacement& slot = plan_.slots[batch.slots[k]];
+      const PieceRow& piece = batch.rows[k];
+      int64_t* row = rows + k * kLayoutColumns;
       const int64_t columns[kStateKeyCount] = {kExpAvgOffset, kExpAvgSqOffset, kMaxExpAvgSqOffset, kMasterOffset};
       for (int key = 0; key < kStateKeyCount; ++key) {
-        const int64_t offset = slot.arena_offset[key];
-        rows[k * kLayoutColumns + columns[key]] = offset == kNoOffset ? kAbsent : offset - batch.steps_bytes;
+        row[columns[key]] = piece.arena_offset[key] == kNoOffset ? kAbsent : piece.arena_offset[key];
       }
-      rows[k * kLayoutColumns + kNumel] = params_[batch.slots[k]].numel();
+      row[kNumel] = piece.count;
+      row[kParamOffset] = piece.element_offset;
+      row[kStepIndex] = piece.slot;  // the step table holds param i's count at i
+      row[kAdvanceStep] = piece.advances_step ? 1 : 0;
     }
     layouts_.push_back(layout);
   }
-
 }
 
 SwapRuntime::~SwapRuntime() {
@@ -285,10 +326,55 @@ at::Tensor SwapRuntime::arena_for(int64_t batch, int slot) const {
   return arenas_[slot].narrow(0, 0, plan.arena_bytes);
 }
 
+std::vector<int64_t> SwapRuntime::torn_params() const {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  return torn_;
+}
+
+void SwapRuntime::clear_torn() {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  torn_.clear();
+}
+
+// After a failed step: the split params whose first piece was updated but not
+// their last. Their updated elements are new with their states, the others old
+// with theirs; the step count is old. Returns what to tell the user, or "".
+std::string SwapRuntime::tear_report(const Step& work, const std::optional<at::Tensor>& found_inf) {
+  try {
+    // The queues are drained, so reading found_inf waits for nothing.
+    if (found_inf.has_value() && found_inf->item<float>() != 0.f) return "";  // the step wrote nothing
+  } catch (const c10::Error&) {
+    // The device cannot say: assume the updates ran.
+  }
+  auto row_of = [&](int64_t batch, int64_t slot) {
+    const std::vector<PieceRow>& rows = plan_.batches[batch].rows;
+    for (size_t r = 0; r < rows.size(); ++r) {
+      if (rows[r].slot == slot) return static_cast<int64_t>(r);
+    }
+    return int64_t{-1};
+  };
+  std::string report;
+  for (int64_t i = 0; i < static_cast<int64_t>(plan_.slots.size()); ++i) {
+    const SlotPlacement& slot = plan_.slots[i];
+    if (!slot.split || !work.row_updated(slot.first_batch, row_of(slot.first_batch, i)) ||
+        work.row_updated(slot.last_batch, row_of(slot.last_batch, i))) {
+      continue;
+    }
+    torn_.push_back(i);
+    std::ostringstream line;
+    line << "SwapOptimizer: param " << i << " (shape " << c10::IntArrayRef(param_shape_[i])
+         << ") was partly updated when the step failed: the elements of its pieces that were updated are new "
+            "together with their states, the others old with theirs, and its step count is old. step() now "
+            "refuses to run until you load_state_dict a checkpoint, so no piece is stepped twice.\n";
+    report += line.str();
+  }
+  return report;
+}
+
 void SwapRuntime::allocate_arenas() {
-  if (!arenas_.empty() || arena_count_ == 0) return;
+  if (device_steps_.defined()) return;
   const int64_t bytes = plan_.staging_arena_bytes;
-  const int64_t total = arena_count_ * bytes;
+  const int64_t total = staging_bytes_of(plan_, options_.num_arenas);
   const int64_t simulated_free = hooks_.simulated_free_bytes;
   try {
     TORCH_CHECK_WITH(OutOfMemoryError, simulated_free < 0 || total <= simulated_free,
@@ -296,18 +382,20 @@ void SwapRuntime::allocate_arenas() {
     for (int i = 0; i < arena_count_; ++i) {
       arenas_.push_back(at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_)));
     }
+    device_steps_ = at::empty({static_cast<int64_t>(params_.size())}, at::TensorOptions().dtype(at::kFloat).device(device_));
   } catch (const c10::OutOfMemoryError& error) {
     arenas_.clear();
+    device_steps_ = at::Tensor();
     // Advice from what is free now: the smallest split whose two arenas fit.
     const int64_t free = simulated_free >= 0 ? simulated_free : free_device_bytes(device_);
     int64_t smallest = 0;
     const int64_t fits = smallest_swap_times_for_budget(specs_, options_.swap_keys, 2, free, &smallest);
     const std::string advice =
         fits > 0 ? "swap_times=" + std::to_string(fits) + " with num_arenas=2 fits (or set staging_budget_bytes)"
-                 : "even one param per batch needs " + std::to_string(smallest) +
-                       " bytes of arenas: free device memory, or keep more params resident with a larger min_numel";
+                 : "even the finest split needs " + std::to_string(smallest) +
+                       " bytes of staging: free device memory, or keep more params resident with a larger min_numel";
     TORCH_CHECK_WITH(OutOfMemoryError, false, "SwapOptimizer: no room on ", device_, " for ", arena_count_,
-                     " staging arenas of ", bytes, " bytes (", total, " bytes in all, ", free,
+                     " staging arenas of ", bytes, " bytes and the step table (", total, " bytes in all, ", free,
                      " bytes free) with swap_times=", options_.swap_times, " and num_arenas=", options_.num_arenas,
                      "; ", advice, ". The optimizer state is unchanged. (", error.what_without_backtrace(), ")");
   }
@@ -317,6 +405,7 @@ void SwapRuntime::allocate_arenas() {
 
 void SwapRuntime::release_arenas() {
   arenas_.clear();
+  device_steps_ = at::Tensor();
   stats_.staging_bytes = 0;
 }
 
@@ -326,6 +415,13 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
                        const std::optional<at::Tensor>& found_inf,
                        const std::function<void()>& check_interrupt) {
   const std::lock_guard<std::mutex> lock(step_mutex_);
+  if (!torn_.empty()) {
+    std::ostringstream torn;
+    for (const int64_t i : torn_) torn << (torn.tellp() > 0 ? ", " : "") << i;
+    TORCH_CHECK(false, "SwapOptimizer: a failed step left param(s) ", torn.str(),
+                " partly updated; step() refuses to run so that no piece is stepped twice. Load a checkpoint "
+                "with load_state_dict() (which clears this), or create a new SwapOptimizer");
+  }
   // Everything the op could reject is checked here, before any batch moves.
   const size_t count = params_.size();
   TORCH_CHECK_VALUE(params.size() == count && grads.size() == count, "SwapOptimizer: ", params.size(),
@@ -374,11 +470,21 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
     run_pipeline(*transport_, work, slot_of_batch_);
   } catch (...) {
     release_arenas();  // the pipeline drained every queue before rethrowing
-    throw;
+    const std::string torn = tear_report(work, found_inf);
+    if (torn.empty()) throw;
+    std::string error;
+    try {
+      throw;
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    TORCH_CHECK(false, torn, "The error was: ", error);
   }
   step_pending_ = true;
   if (!options_.keep_arenas) release_arenas();  // in stream order: compute waited for every copy
-  stats_.h2d_bytes = stats_.d2h_bytes = plan_.host_bytes;
+  stats_.h2d_bytes = stats_.d2h_bytes = plan_.moved_bytes;
 }
 
 void SwapRuntime::synchronize() {
@@ -391,6 +497,9 @@ void SwapRuntime::synchronize() {
 MemoryStats SwapRuntime::memory_stats() const {
   MemoryStats stats = stats_;
   stats.host_state_bytes = plan_.host_bytes;
+  stats.step_table_bytes = plan_.step_table_bytes;
+  stats.split_params = std::count_if(plan_.slots.begin(), plan_.slots.end(),
+                                     [](const SlotPlacement& slot) { return slot.split; });
   stats.pinned = pinned_;
   stats.unpinned_host_bytes = unpinned_bytes_;
   stats.resident_state_bytes = plan_.resident_store_bytes;
@@ -407,24 +516,20 @@ void SwapRuntime::set_test_hooks(const TestHooks& hooks) {
 }
 
 at::Tensor SwapRuntime::state_view(int64_t param, int key) const {
-  const SlotPlacement& slot = plan_.slots[param];
-  const BatchPlan& batch = plan_.batches[slot.batch];
-  const int64_t offset = slot.arena_offset[key];
-  if (offset == kNoOffset) return at::Tensor();
+  const StateHome& home = plan_.slots[param].home[key];
+  if (home.offset == kNoOffset) return at::Tensor();
   const c10::ScalarType dtype = key == kMaster ? at::kFloat : state_dtype_of(options_, param_dtype_[param]);
   const int64_t bytes = params_[param].numel() * static_cast<int64_t>(c10::elementSize(dtype));
-  const at::Tensor& base = slot.swapped[key] ? host_slabs_[slot.batch] : resident_store_;
-  const int64_t at = slot.swapped[key] ? offset : batch.resident_offset + offset - batch.resident_begin;
-  return base.narrow(0, at, bytes).view(dtype).view(param_shape_[param]);
+  const at::Tensor& base = home.region == kResidentStore ? resident_store_ : host_slabs_[home.region];
+  return base.narrow(0, home.offset, bytes).view(dtype).view(param_shape_[param]);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> SwapRuntime::state_views(int64_t param) const {
   TORCH_CHECK_INDEX(param >= 0 && param < static_cast<int64_t>(params_.size()),
                     "SwapRuntime: no param ", param);
-  const SlotPlacement& slot = plan_.slots[param];
   std::vector<std::pair<std::string, at::Tensor>> views;
-  views.emplace_back("step", host_slabs_[slot.batch]
-                                 .narrow(0, slot.index_in_batch * kStepBytes, kStepBytes)
+  views.emplace_back("step", host_slabs_[kStepTableRegion]
+                                 .narrow(0, param * kStepBytes, kStepBytes)
                                  .view(at::kFloat)
                                  .view(std::vector<int64_t>{}));
   for (int key = 0; key < kStateKeyCount; ++key) {

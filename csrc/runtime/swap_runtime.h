@@ -32,13 +32,15 @@ struct RuntimeOptions {
 struct MemoryStats {
   int64_t host_state_bytes = 0;
   bool pinned = false;
-  int64_t staging_bytes = 0;
+  int64_t staging_bytes = 0;       // arenas and the device step table, now
   int64_t peak_staging_bytes = 0;
+  int64_t step_table_bytes = 0;    // of the staging: the device step table
   int64_t resident_state_bytes = 0;
   int64_t h2d_bytes = 0;  // of the last step
   int64_t d2h_bytes = 0;
   int64_t batches = 0;    // batches through the staging arenas
   int64_t num_arenas = 0; // arenas a step allocates
+  int64_t split_params = 0;  // params whose elements are spread over several batches
   int64_t unpinned_host_bytes = 0;  // host store bytes that could not be pinned
 };
 
@@ -60,9 +62,13 @@ std::vector<SlotSpec> make_slot_specs(const std::vector<at::Tensor>& params,
                                       const std::vector<bool>& swappable,
                                       const RuntimeOptions& options);
 
-// The smallest swap_times whose staging arenas (min(num_arenas, batches) times
-// the largest batch) fit in budget_bytes, or -1 when none does; then
-// *smallest_possible_bytes says what the finest split needs.
+// Device bytes a step allocates for staging: min(num_arenas, batches) arenas of
+// the largest batch, and the device step table.
+int64_t staging_bytes_of(const StorePlan& plan, int64_t num_arenas);
+
+// The smallest swap_times whose staging (staging_bytes_of) fits in budget_bytes,
+// or -1 when none does; then *smallest_possible_bytes says what the finest
+// split needs.
 int64_t smallest_swap_times_for_budget(const std::vector<SlotSpec>& specs, const KeyFlags& swap_keys,
                                        int64_t num_arenas, int64_t budget_bytes,
                                        int64_t* smallest_possible_bytes);
@@ -88,7 +94,9 @@ class SwapRuntime {
   // device as at construction; a framework may have swapped the tensor objects);
   // grads[i] is param i's grad or none (skipped, as torch skips it);
   // group_args[g] are group g's hyper-parameters this step. check_interrupt
-  // runs between batches and may throw to stop the step.
+  // runs between batches that do not cut a param, and may throw to stop the
+  // step. A failure that leaves a split param partly updated marks it torn;
+  // step() then refuses until clear_torn() (a loaded checkpoint).
   void step(const std::vector<at::Tensor>& params, const std::vector<std::optional<at::Tensor>>& grads,
             const std::vector<PackedUpdateArgs>& group_args,
             const std::optional<at::Tensor>& grad_scale,
@@ -97,6 +105,11 @@ class SwapRuntime {
 
   // Blocks until the host store holds the last step's results.
   void synchronize();
+
+  // Params (indices) left partly updated by a failed step, and forgetting them
+  // once their state has been rewritten.
+  std::vector<int64_t> torn_params() const;
+  void clear_torn();
 
   MemoryStats memory_stats() const;
   const StorePlan& plan() const { return plan_; }
@@ -110,6 +123,7 @@ class SwapRuntime {
   void release_arenas();
   at::Tensor arena_for(int64_t batch, int slot) const;
   at::Tensor state_view(int64_t param, int key) const;
+  std::string tear_report(const Step& work, const std::optional<at::Tensor>& found_inf);
 
   std::vector<at::Tensor> params_;
   std::vector<int64_t> group_of_param_;
@@ -121,9 +135,11 @@ class SwapRuntime {
   std::vector<SlotSpec> specs_;
   StorePlan plan_;
   std::vector<at::Tensor> layouts_;    // per batch: the op's layout table, rows in batch order
-  std::vector<at::Tensor> host_slabs_; // per batch: its host region
+  std::vector<at::Tensor> host_slabs_; // per host region of the plan, exact size
   at::Tensor resident_store_;
   std::vector<at::Tensor> arenas_;
+  at::Tensor device_steps_;            // the step table on the device, during a step
+  std::vector<int64_t> torn_;          // params a failed step left partly updated
   int arena_count_ = 0;
   std::vector<int> slot_of_batch_;  // arena slot of each batch, in pipeline order
   std::unique_ptr<Transport> transport_;
@@ -132,7 +148,7 @@ class SwapRuntime {
   bool step_pending_ = false;  // copies of the last step may still be landing in the host store
   // step() and synchronize() run without the GIL: a thread reading the state
   // while another steps must wait for that step, not for the one before.
-  std::mutex step_mutex_;
+  mutable std::mutex step_mutex_;
   MemoryStats stats_;
   TestHooks hooks_;
 };

@@ -9,6 +9,7 @@
 #include "runtime/pipeline.h"
 #include "runtime/store_plan.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -42,11 +43,28 @@ class CountingWork final : public rt::BatchWork {
   int64_t interrupt_before = -1;
   int64_t expected_value = 0;  // what every host value holds before this step
 
+  // The step table: one count per batch, incremented by the batch's update.
+  std::vector<float> host_steps, device_steps;
+
+  void stage_in_step_table() override {
+    const int64_t bytes = static_cast<int64_t>(host_steps.size() * sizeof(float));
+    transport_.copy_to_device({device_steps.data(), bytes, host_steps.data(), bytes, bytes, 1});
+  }
+  void stage_out_step_table() override {
+    const int64_t bytes = static_cast<int64_t>(host_steps.size() * sizeof(float));
+    transport_.copy_to_host({host_steps.data(), bytes, device_steps.data(), bytes, bytes, 1});
+  }
+  // Each batch moves as two strided copies of half-rows (the shape of a split
+  // param's pieces) when it has an even count of values, else as one plain copy.
   void stage_in(int64_t batch, int slot) override {
-    transport_.copy_to_device(arenas_[slot].data(), host_[batch].data(), bytes(batch));
+    for (const rt::StridedCopy& copy : copies(arenas_[slot].data(), host_[batch].data(), batch, true)) {
+      transport_.copy_to_device(copy);
+    }
   }
   void stage_out(int64_t batch, int slot) override {
-    transport_.copy_to_host(host_[batch].data(), arenas_[slot].data(), bytes(batch));
+    for (const rt::StridedCopy& copy : copies(host_[batch].data(), arenas_[slot].data(), batch, false)) {
+      transport_.copy_to_host(copy);
+    }
   }
   void between_batches(int64_t next) override {
     if (next == interrupt_before) throw Injected("interrupt");
@@ -54,17 +72,36 @@ class CountingWork final : public rt::BatchWork {
   void update(int64_t batch, int slot) override {
     if (batch == fail_update_at) throw Injected("update");
     std::vector<float>& arena = arenas_[slot];
-    for (size_t i = 0; i < host_[batch].size(); ++i) {
-      if (arena[i] != static_cast<float>(expected_value)) {
+    if (device_steps[batch] != static_cast<float>(expected_value)) {
+      expect(false, "batch " + std::to_string(batch) + " was updated before the step table landed");
+    }
+    for (int64_t i = 0; i < static_cast<int64_t>(host_[batch].size()); ++i) {
+      float& value = arena[arena_index(batch, i)];
+      if (value != static_cast<float>(expected_value)) {
         expect(false, "batch " + std::to_string(batch) + " was updated before its copy in landed");
         return;
       }
-      arena[i] += 1.0f;
+      value += 1.0f;
     }
+    device_steps[batch] += 1.0f;
   }
 
  private:
-  int64_t bytes(int64_t batch) const { return static_cast<int64_t>(host_[batch].size() * sizeof(float)); }
+  // Rows of `half` values: row r of the host region at r * half, in the arena
+  // at r * (half + 3) (a wider pitch, as an arena's aligned rows have).
+  int64_t arena_index(int64_t batch, int64_t i) const {
+    const int64_t n = static_cast<int64_t>(host_[batch].size());
+    if (n % 2 != 0) return i;
+    const int64_t half = n / 2;
+    return i / half * (half + 3) + i % half;
+  }
+
+  std::vector<rt::StridedCopy> copies(float* dst, float* src, int64_t batch, bool to_arena) const {
+    const int64_t n = static_cast<int64_t>(host_[batch].size());
+    if (n % 2 != 0) return {{dst, 0, src, 0, n * 4, 1}};
+    const int64_t half = n / 2, host_pitch = half * 4, arena_pitch = (half + 3) * 4;
+    return {{dst, to_arena ? arena_pitch : host_pitch, src, to_arena ? host_pitch : arena_pitch, half * 4, 2}};
+  }
   rt::Transport& transport_;
   std::vector<std::vector<float>>& host_;
   std::vector<std::vector<float>> arenas_;
@@ -76,7 +113,7 @@ void run_case(int arenas, int batches, uint64_t seed) {
   int64_t largest = 0;
   for (int b = 0; b < batches; ++b) {
     host.emplace_back(1 + random() % 5000, 0.0f);
-    largest = std::max<int64_t>(largest, static_cast<int64_t>(host.back().size()));
+    largest = std::max<int64_t>(largest, static_cast<int64_t>(host.back().size()) + 6);  // + the wider pitch
   }
   const int slots = std::min(arenas, batches);
   rt::HostTransport transport(slots, /*separate_copy_queues=*/slots >= 3);
@@ -84,6 +121,8 @@ void run_case(int arenas, int batches, uint64_t seed) {
   std::vector<int> slot_of_batch;
   for (int b = 0; b < batches; ++b) slot_of_batch.push_back(b % slots);
   CountingWork work(transport, host, slots, largest);
+  work.host_steps.assign(batches, 0.0f);
+  work.device_steps.assign(batches, -1.0f);  // garbage until the step table is copied in
 
   int64_t steps_done = 0;
   for (int step = 0; step < 12; ++step) {
@@ -101,9 +140,13 @@ void run_case(int arenas, int batches, uint64_t seed) {
     }
     const int64_t stop = work.fail_update_at >= 0 ? work.fail_update_at : work.interrupt_before;
     expect(threw == (stop >= 0), "a failure was injected exactly when one was thrown");
-    // Batches before the failure are new, the rest old; each wholly.
+    // Batches before the failure are new, the rest old; each wholly, its step count too.
     for (int b = 0; b < batches; ++b) {
       const float want = static_cast<float>(threw && b >= stop ? steps_done : steps_done + 1);
+      if (work.host_steps[b] != want) {
+        expect(false, "batch " + std::to_string(b) + "'s step count is " + std::to_string(work.host_steps[b]) +
+                          ", expected " + std::to_string(want));
+      }
       for (float value : host[b]) {
         if (value != want) {
           expect(false, "arenas " + std::to_string(arenas) + ", batches " + std::to_string(batches) + ", step " +
@@ -115,8 +158,10 @@ void run_case(int arenas, int batches, uint64_t seed) {
     }
     if (threw) {
       // Bring the stopped batches level again, as the next full step would expect.
-      for (int b = static_cast<int>(stop); b < batches; ++b)
+      for (int b = static_cast<int>(stop); b < batches; ++b) {
         for (float& value : host[b]) value += 1.0f;
+        work.host_steps[b] += 1.0f;
+      }
     }
     ++steps_done;
   }
@@ -158,10 +203,90 @@ void check_partition() {
   }
 }
 
+// Random params, states and swap_times: the plan covers every element of every
+// swappable param once, in order, in pieces starting at multiples of the
+// granule; no two states overlap in an arena or a home; each state's piece in
+// the arena is exactly where the batch's copies bring its home bytes; and the
+// largest arena is within two pieces (plus a granule and alignment) of an even
+// share of the state.
+void check_plan() {
+  std::mt19937_64 random(11);
+  for (int trial = 0; trial < 400; ++trial) {
+    std::vector<rt::SlotSpec> specs(1 + random() % 8);
+    for (rt::SlotSpec& spec : specs) {
+      const int64_t scale = random() % 3 == 0 ? 400000 : 3000;
+      spec = {static_cast<int64_t>(1 + random() % scale), random() % 2 ? 4 : 2, random() % 2 == 0,
+              random() % 3 == 0, random() % 5 != 0};
+    }
+    rt::KeyFlags swap_keys;
+    for (bool& key : swap_keys) key = random() % 4 != 0;
+    const int64_t swap_times = 1 + random() % 40;
+    const rt::StorePlan plan = rt::plan_store(specs, swap_keys, swap_times);
+    const std::string where = "plan trial " + std::to_string(trial);
+    expect(plan.rotating_batches <= swap_times, where + ": at most swap_times batches");
+
+    std::vector<int64_t> covered(specs.size(), 0);
+    int64_t total = 0;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      for (int key = 0; key < rt::kStateKeyCount; ++key) {
+        if (specs[i].swappable && plan.slots[i].home[key].offset != rt::kNoOffset) {
+          const int64_t width = key == rt::kMaster ? 4 : specs[i].state_element_size;
+          total += rt::align_up(specs[i].numel * width, rt::kRegionAlignment);
+        }
+      }
+    }
+    for (const rt::BatchPlan& batch : plan.batches) {
+      std::vector<std::pair<int64_t, int64_t>> arena_ranges;
+      for (const rt::PieceRow& row : batch.rows) {
+        const rt::SlotSpec& spec = specs[row.slot];
+        expect(row.element_offset == covered[row.slot] && row.count > 0, where + ": pieces in order, once");
+        expect(row.element_offset % rt::kSplitGranule == 0, where + ": pieces start on a granule");
+        covered[row.slot] += row.count;
+        expect(row.advances_step == (covered[row.slot] == spec.numel), where + ": the last piece advances");
+        for (int key = 0; key < rt::kStateKeyCount; ++key) {
+          const rt::StateHome& home = plan.slots[row.slot].home[key];
+          expect((row.arena_offset[key] == rt::kNoOffset) == (home.offset == rt::kNoOffset), where + ": kept states");
+          if (home.offset == rt::kNoOffset) continue;
+          const int64_t width = key == rt::kMaster ? 4 : spec.state_element_size;
+          const int64_t begin = row.arena_offset[key], end = begin + row.count * width;
+          expect(begin % rt::kRegionAlignment == 0 && end <= batch.arena_bytes, where + ": inside the arena");
+          arena_ranges.emplace_back(begin, end);
+          if (batch.resident) continue;
+          // Follow the copies: which home byte lands on the piece's first and last element?
+          const std::vector<rt::RegionCopy>& copies =
+              home.region == rt::kResidentStore ? batch.resident_copies : batch.host_copies;
+          for (const int64_t element : {int64_t{0}, row.count - 1}) {
+            const int64_t arena_byte = begin + element * width;
+            int64_t found = -1;
+            for (const rt::RegionCopy& copy : copies) {
+              if (copy.region != home.region) continue;
+              for (int64_t r = 0; r < copy.rows; ++r) {
+                const int64_t at = copy.arena_offset + r * copy.arena_pitch;
+                if (arena_byte >= at && arena_byte < at + copy.width) found = copy.offset + r * copy.pitch + arena_byte - at;
+              }
+            }
+            expect(found == home.offset + (row.element_offset + element) * width, where + ": copies bring the piece");
+          }
+        }
+      }
+      std::sort(arena_ranges.begin(), arena_ranges.end());
+      for (size_t k = 1; k < arena_ranges.size(); ++k) {
+        expect(arena_ranges[k].first >= arena_ranges[k - 1].second, where + ": no overlap in the arena");
+      }
+      expect(batch.host_copies.size() <= 5, where + ": a few copies per batch");
+    }
+    for (size_t i = 0; i < specs.size(); ++i) expect(covered[i] == specs[i].numel, where + ": every element once");
+    const int64_t bound = (total + swap_times - 1) / swap_times + 2 * rt::kMinPieceBytes + 8192;
+    expect(plan.staging_arena_bytes <= bound, where + ": largest arena " + std::to_string(plan.staging_arena_bytes) +
+                                                  " within the bound " + std::to_string(bound));
+  }
+}
+
 }  // namespace
 
 int main() {
   check_partition();
+  check_plan();
   uint64_t seed = 1;
   for (int arenas : {2, 3, 4}) {
     for (int batches : {1, 2, 3, 5, 9}) run_case(arenas, batches, seed++);
@@ -170,6 +295,6 @@ int main() {
     std::fprintf(stderr, "%d failure(s)\n", failures);
     return 1;
   }
-  std::printf("pipeline_stress: 15 pipeline cases x 12 steps and 300 partitions passed\n");
+  std::printf("pipeline_stress: 15 pipeline cases x 12 steps, 300 partitions and 400 store plans passed\n");
   return 0;
 }

@@ -51,11 +51,13 @@ void fused_adam_packed_cpu(at::TensorList params, at::TensorList grads, const at
   std::array<std::vector<CpuParamWork>, static_cast<size_t>(DtypePair::kCount)> groups;
   for (size_t i = 0; i < regions.size(); ++i) {
     const ParamRegions& r = regions[i];
-    const float next_step = step_counts[i] + 1.0f;
-    step_counts[i] = next_step;
+    const float next_step = step_counts[r.step_index] + 1.0f;
+    if (r.advance_step) step_counts[r.step_index] = next_step;
     if (r.numel == 0) continue;
+    const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(r.param_dtype));
     groups[static_cast<size_t>(dtype_pair(r))].push_back(
-        {params[i].data_ptr(), grads[i].const_data_ptr(), at_offset(r.exp_avg),
+        {static_cast<uint8_t*>(params[i].data_ptr()) + r.param_offset * element_bytes,
+         static_cast<const uint8_t*>(grads[i].const_data_ptr()) + r.param_offset * element_bytes, at_offset(r.exp_avg),
          at_offset(r.exp_avg_sq), at_offset(r.max_exp_avg_sq),
          static_cast<float*>(at_offset(r.master)), r.numel,
          make_step_scalars(lr, beta1, beta2, next_step)});

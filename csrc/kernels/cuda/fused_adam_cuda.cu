@@ -53,14 +53,23 @@ struct alignas(kVectorBytes) Pack {
   T value[ILP];
 };
 
-__global__ void prepare_steps_kernel(float* steps, StepScalars* scalars, int64_t count,
-                                     double lr, double beta1, double beta2,
+// Which step count a row reads, and whether it writes it back incremented.
+struct StepRef {
+  int64_t step_index;
+  int64_t advance;
+};
+
+// Rows of one call have distinct step indices (validated), so no two threads
+// touch the same count.
+__global__ void prepare_steps_kernel(float* steps, const StepRef* refs, StepScalars* scalars,
+                                     int64_t count, double lr, double beta1, double beta2,
                                      const float* found_inf) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= count || (found_inf != nullptr && *found_inf != 0.f)) return;
-  const float next_step = steps[i] + 1.0f;
+  const StepRef ref = refs[i];
+  const float next_step = steps[ref.step_index] + 1.0f;
   scalars[i] = make_step_scalars(lr, beta1, beta2, next_step);
-  steps[i] = next_step;
+  if (ref.advance) steps[ref.step_index] = next_step;
 }
 
 template <typename param_t, typename state_t>
@@ -191,13 +200,18 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
 
   std::vector<ParamDesc> descs[kGroups];
   std::vector<ChunkDesc> chunks[kGroups];
+  std::vector<StepRef> step_refs;
   for (int64_t i = 0; i < count; ++i) {
     const ParamRegions& r = regions[i];
+    step_refs.push_back({r.step_index, r.advance_step ? 1 : 0});
     if (r.numel == 0) continue;
     auto state_at = [&](int64_t offset) -> void* {
       return offset == kAbsent ? nullptr : base + offset;
     };
-    ParamDesc d{params[i].data_ptr(), grads[i].data_ptr(), state_at(r.exp_avg),
+    const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(r.param_dtype));
+    ParamDesc d{static_cast<uint8_t*>(params[i].data_ptr()) + r.param_offset * element_bytes,
+                static_cast<const uint8_t*>(grads[i].const_data_ptr()) + r.param_offset * element_bytes,
+                state_at(r.exp_avg),
                 state_at(r.exp_avg_sq), state_at(r.max_exp_avg_sq),
                 static_cast<float*>(state_at(r.master)), r.numel, static_cast<int32_t>(i), 0};
     d.vectorized = aligned(d.param) && aligned(d.grad) && aligned(d.exp_avg) &&
@@ -212,8 +226,10 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
     descs[g].push_back(d);
   }
 
-  // One host table, one H2D copy: scalars, then each group's descs and chunks.
-  size_t bytes = round_up_bytes<ParamDesc>(count * sizeof(StepScalars));
+  // One host table, one H2D copy: scalars, step references, then each group's
+  // descs and chunks.
+  const size_t step_refs_offset = round_up_bytes<StepRef>(count * sizeof(StepScalars));
+  size_t bytes = round_up_bytes<ParamDesc>(step_refs_offset + count * sizeof(StepRef));
   size_t desc_offset[kGroups], chunk_offset[kGroups];
   for (int g = 0; g < kGroups; ++g) {
     desc_offset[g] = bytes;
@@ -224,6 +240,7 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
   at::Tensor host_table =
       at::empty({static_cast<int64_t>(bytes)}, arena.options().device(at::kCPU).pinned_memory(true));
   uint8_t* host = host_table.data_ptr<uint8_t>();
+  std::copy(step_refs.begin(), step_refs.end(), reinterpret_cast<StepRef*>(host + step_refs_offset));
   for (int g = 0; g < kGroups; ++g) {
     std::copy(descs[g].begin(), descs[g].end(), reinterpret_cast<ParamDesc*>(host + desc_offset[g]));
     std::copy(chunks[g].begin(), chunks[g].end(), reinterpret_cast<ChunkDesc*>(host + chunk_offset[g]));
@@ -237,7 +254,8 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
   auto* scalars = reinterpret_cast<StepScalars*>(table);
   const int64_t prepare_blocks = (count + kThreads - 1) / kThreads;
   prepare_steps_kernel<<<prepare_blocks, kThreads, 0, stream>>>(
-      steps.data_ptr<float>(), scalars, count, lr, beta1, beta2, found_inf_ptr);
+      steps.data_ptr<float>(), reinterpret_cast<const StepRef*>(table + step_refs_offset), scalars, count, lr,
+      beta1, beta2, found_inf_ptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   const AdamHyper hyper = make_adam_hyper(args);

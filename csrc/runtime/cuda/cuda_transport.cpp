@@ -22,6 +22,9 @@ class CudaTransport final : public Transport {
       } else {
         to_host_ = to_device_;
       }
+      int max_pitch = 0;
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_pitch, cudaDevAttrMaxPitch, device_));
+      max_pitch_ = max_pitch;
       events_.assign(marker_count(slots), nullptr);
       for (cudaEvent_t& event : events_) {
         C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
@@ -43,13 +46,9 @@ class CudaTransport final : public Transport {
     started_ = true;
   }
 
-  void copy_to_device(void* dst, const void* src, int64_t bytes) override {
-    C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, to_device_));
-  }
+  void copy_to_device(const StridedCopy& copy) override { enqueue(copy, cudaMemcpyHostToDevice, to_device_); }
 
-  void copy_to_host(void* dst, const void* src, int64_t bytes) override {
-    C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, to_host_));
-  }
+  void copy_to_host(const StridedCopy& copy) override { enqueue(copy, cudaMemcpyDeviceToHost, to_host_); }
 
   void record(Queue queue, int marker) override {
     C10_CUDA_CHECK(cudaEventRecord(events_[marker], stream(queue)));
@@ -68,6 +67,23 @@ class CudaTransport final : public Transport {
   }
 
  private:
+  // One call for a plain or strided copy; a row at a time only where a pitch
+  // is beyond what cudaMemcpy2DAsync accepts (memPitch, about 2 GiB).
+  void enqueue(const StridedCopy& copy, cudaMemcpyKind kind, cudaStream_t stream) const {
+    if (copy.rows == 1) {
+      C10_CUDA_CHECK(cudaMemcpyAsync(copy.dst, copy.src, copy.width, kind, stream));
+    } else if (copy.dst_pitch <= max_pitch_ && copy.src_pitch <= max_pitch_) {
+      C10_CUDA_CHECK(cudaMemcpy2DAsync(copy.dst, copy.dst_pitch, copy.src, copy.src_pitch, copy.width, copy.rows,
+                                       kind, stream));
+    } else {
+      for (int64_t row = 0; row < copy.rows; ++row) {
+        C10_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(copy.dst) + row * copy.dst_pitch,
+                                       static_cast<const char*>(copy.src) + row * copy.src_pitch, copy.width, kind,
+                                       stream));
+      }
+    }
+  }
+
   cudaStream_t stream(Queue queue) const {
     switch (queue) {
       case Queue::kHostToDevice: return to_device_;
@@ -89,6 +105,7 @@ class CudaTransport final : public Transport {
   }
 
   c10::DeviceIndex device_;
+  int64_t max_pitch_ = 0;
   bool started_ = false;
   cudaStream_t to_device_ = nullptr;
   cudaStream_t to_host_ = nullptr;
