@@ -6,7 +6,7 @@
 # fp32), and print a short table last. Logs and JSON go to $OUT (8 files:
 # build.log, checks.log, kernel_bench.json, bench.log, bench_bf16.json,
 # bench_bf16.png, bench_fp32.json, summary.txt). Each stage has its own time
-# limit, so the script always ends (typically in 5 to 7 minutes, 9 at worst) and
+# limit, so the script always ends (typically in 5 to 7 minutes, 10 at worst) and
 # prints what it has.
 #
 #   OUT=/tmp/gpu_out bash scripts/gpu_check.sh
@@ -38,11 +38,12 @@ stage build 150 "$OUT/build.log" "$PY" -m pip install -v --no-build-isolation --
 
 # The suite's CUDA variants (ids ending in cuda) and the GPU-only tests, from
 # the tests folder so the installed package is imported.
-stage gpu-tests 75 "$OUT/checks.log" "$PY" -m pytest -q -p no:cacheprovider tests -k "cuda or gpu" -rs
+stage gpu-tests 110 "$OUT/checks.log" "$PY" -m pytest -q -p no:cacheprovider tests -k "cuda or gpu" -rs
 tail -3 "$OUT/checks.log"
 
 # compute-sanitizer on a short run: both pipelines (one and two copy streams),
-# the fused kernels, the resident batch; any finding fails the stage.
+# the fused kernels, the resident batch, params split across batches (strided
+# copies, the device step table); any finding fails the stage.
 sanitizer_run=$(mktemp --suffix=.py)
 cat >"$sanitizer_run" <<'PYEOF'
 import torch
@@ -51,6 +52,7 @@ torch.manual_seed(0)
 for arenas in (2, 3):
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda()
     opt = SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), swap_times=3, num_arenas=arenas, min_numel=300)
+    assert opt.memory_stats()["split_params"] >= 1, "the sanitizer run must cover split params"
     for _ in range(2):
         model(torch.randn(8, 256, device="cuda")).square().mean().backward()
         opt.step()

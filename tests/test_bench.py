@@ -2,6 +2,7 @@
 mode, the JSON report, the plot, and argument errors. No timing assertions."""
 
 import json
+import pathlib
 import re
 import subprocess
 import sys
@@ -94,3 +95,20 @@ def test_cuda_without_a_gpu_is_an_argument_error(capsys):
     with pytest.raises(SystemExit):
         main(["--device", "cuda"])
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_staging_share_of_public_model_shapes_meets_the_target(tmp_path):
+    """benchmarks/staging_share.py from the plan (no real step): on the GPT-2,
+    Qwen2.5-0.5B and Llama-3.2-1B shapes, staging within 0.01 of the state of
+    the ideal num_arenas / swap_times, where keeping params whole needed 0.43-0.62."""
+    script = pathlib.Path(__file__).parent.parent / "benchmarks" / "staging_share.py"
+    report = tmp_path / "share.json"
+    out = subprocess.run([sys.executable, "-P", str(script), "--real-step", "none", "--json", str(report)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(report.read_text())
+    assert {(r["model"], r["swap_times"]) for r in rows} == {(m, s) for m in ("gpt2", "qwen2.5-0.5b", "llama3.2-1b")
+                                                             for s in (8, 16, 32)}
+    for row in rows:
+        assert row["share"] - row["ideal"] <= 0.01, row
+        assert row["whole_param_floor"] > 0.4 and row["split_params"] > 0 and row["max_host_copies"] <= 5

@@ -1,0 +1,135 @@
+"""Staging share of the optimizer state for the parameter shapes of public models.
+
+For each model shape and swap_times, the device memory that a SwapOptimizer step
+allocates for staging (arenas and the step table), as a share of the optimizer
+state in host memory, beside the ideal num_arenas / swap_times and beside the
+least any plan keeping params whole would need (num_arenas arenas holding the
+largest param's states). AdamW on bf16 params, states in bf16 (torch's default
+for bf16 params), min_numel 1024, as `SwapOptimizer(torch.optim.AdamW(...))`
+would lay them out.
+
+The figures come from the runtime's own plan (`_C.plan_staging`, on meta
+tensors: no memory is allocated). With --real-step the shapes whose state fits
+in host memory also run one real step on the CPU host backend and report
+`memory_stats()` of that step, which must equal the plan.
+
+    python -P benchmarks/staging_share.py [--swap-times 8 16 32] [--num-arenas 2]
+                                          [--real-step gpt2|all|none] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from swap_optimizer import STATE_KEYS, SwapOptimizer, _C
+
+
+def gpt2_124m():
+    """GPT-2 small: vocab 50257, 1024 positions, 12 layers of width 768; the
+    output head is tied to the token embedding."""
+    h, shapes = 768, [(50257, 768), (1024, 768)]
+    for _ in range(12):
+        shapes += [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, 4 * h), (4 * h,), (4 * h, h), (h,)]
+    return shapes + [(h,), (h,)]
+
+
+def llama_like(vocab, hidden, layers, intermediate, heads, kv_heads, qkv_bias):
+    """A Llama/Qwen2-style decoder: grouped-query attention, SwiGLU MLP, RMSNorm,
+    tied embeddings."""
+    head_dim = hidden // heads
+    kv = kv_heads * head_dim
+    shapes = [(vocab, hidden)]
+    for _ in range(layers):
+        shapes += [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden)]
+        if qkv_bias:
+            shapes += [(hidden,), (kv,), (kv,)]
+        shapes += [(intermediate, hidden), (intermediate, hidden), (hidden, intermediate), (hidden,), (hidden,)]
+    return shapes + [(hidden,)]
+
+
+MODELS = {
+    "gpt2": ("GPT-2 124M (vocab 50257, h 768)", gpt2_124m),
+    "qwen2.5-0.5b": ("Qwen2.5-0.5B-like (vocab 151936, h 896, 24 layers, GQA)",
+                     lambda: llama_like(151936, 896, 24, 4864, 14, 2, qkv_bias=True)),
+    "llama3.2-1b": ("Llama-3.2-1B-like (vocab 128256, h 2048, 16 layers, GQA)",
+                    lambda: llama_like(128256, 2048, 16, 8192, 32, 8, qkv_bias=False)),
+}
+MIN_NUMEL = 1024
+
+
+def plan(shapes, swap_times, num_arenas):
+    params = [torch.empty(shape, dtype=torch.bfloat16, device="meta") for shape in shapes]
+    return _C.plan_staging(params, [0] * len(params), [False], [p.numel() >= MIN_NUMEL for p in params],
+                           swap_times=swap_times, num_arenas=num_arenas, state_dtype=None, master_weights=False,
+                           swap_keys=[True] * len(STATE_KEYS))
+
+
+def real_step(shapes, swap_times, num_arenas):
+    """One SwapOptimizer step on bf16 CPU params of these shapes; its memory_stats()."""
+    params = [torch.zeros(shape, dtype=torch.bfloat16).requires_grad_() for shape in shapes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer = SwapOptimizer(torch.optim.AdamW(params, lr=1e-4), swap_times=swap_times, num_arenas=num_arenas,
+                              min_numel=MIN_NUMEL)
+    optimizer.step()
+    return optimizer.memory_stats()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--swap-times", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--num-arenas", type=int, default=2)
+    parser.add_argument("--real-step", choices=["gpt2", "all", "none"], default="gpt2",
+                        help="also run one real CPU step for these shapes (all: about 10 GB of host memory)")
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args(argv)
+    if args.num_arenas < 2 or any(s < 1 for s in args.swap_times):
+        parser.error("--num-arenas must be >= 2 and every --swap-times >= 1")
+
+    rows = []
+    print(f"AdamW, bf16 params and states, min_numel {MIN_NUMEL}, num_arenas {args.num_arenas}; "
+          "staging = peak device bytes of a step (arenas + step table) / host state bytes")
+    print("| model shape | params | largest tensor | swap_times | staging share | ideal | over ideal "
+          "| whole-param floor | batches | split params | host copies per batch (max) | real step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for key, (title, make) in MODELS.items():
+        shapes = make()
+        numels = [torch.Size(s).numel() for s in shapes]
+        total, largest = sum(numels), max(numels)
+        for swap_times in args.swap_times:
+            summary = plan(shapes, swap_times, args.num_arenas)
+            host = summary["host_state_bytes"]
+            share = summary["staging_bytes"] / host
+            ideal = args.num_arenas / swap_times
+            floor = args.num_arenas * largest * 4 / host  # two bf16 states per element
+            copies = max(b["host_copies"] for b in summary["plan"])
+            real = "-"
+            if args.real_step == "all" or args.real_step == key:
+                stats = real_step(shapes, swap_times, args.num_arenas)
+                real_share = stats["peak_staging_bytes"] / stats["host_state_bytes"]
+                if stats["peak_staging_bytes"] != summary["staging_bytes"] or stats["host_state_bytes"] != host:
+                    print(f"error: the real step of {key} at swap_times {swap_times} does not match the plan",
+                          file=sys.stderr)
+                    return 1
+                real = f"{real_share:.5f}"
+            rows.append(dict(model=key, params=total, largest=largest, swap_times=swap_times,
+                             num_arenas=args.num_arenas, staging_bytes=summary["staging_bytes"], host_state_bytes=host,
+                             share=share, ideal=ideal, whole_param_floor=floor, batches=summary["batches"],
+                             split_params=summary["split_params"], max_host_copies=copies,
+                             real_step_share=None if real == "-" else float(real)))
+            print(f"| {title} | {total / 1e6:.0f}M | {largest / total:.0%} | {swap_times} | {share:.5f} | "
+                  f"{ideal:.5f} | {share - ideal:+.5f} | {floor:.2f} | {summary['batches']} | "
+                  f"{summary['split_params']} | {copies} | {real} |")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
