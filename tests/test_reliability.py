@@ -2,8 +2,12 @@
 simulated faults (device out of memory for the arenas).
 
 Tolerances against the plain optimizer: fp32 rtol 1e-5, atol 1e-6 (torch's
-single-tensor path); bf16 against torch's fused AdamW, rtol 2**-6, atol 1e-5
-(the op rounds each stored value once, as fused does; see test_fused_adam_op)."""
+single-tensor path); bf16 against torch's fused AdamW, rtol 2**-6, atol 3e-4
+(the op rounds each stored value once, as fused does; see test_fused_adam_op).
+The bf16 atol is one bf16 ulp (2**-7, relative) of an update of size lr, lr up
+to 3e-2 here: a state one ulp apart moves an update by that much, which on a
+param near zero is an absolute, not a relative, difference (hypothesis found
+one: 1.2e-4 on a param of 0.007 after 4 Adam steps at lr 3e-2)."""
 
 import os
 import re
@@ -20,7 +24,7 @@ from conftest import requires_cuda
 from swap_training import build_model, params_of, state_tensors, swap_optimizer, train
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
-BF16_TOL = dict(rtol=2.0 ** -6, atol=1e-5)
+BF16_TOL = dict(rtol=2.0 ** -6, atol=3e-4)
 
 
 def random_tensor(shape, seed, dtype):
