@@ -49,9 +49,10 @@ cat >"$sanitizer_run" <<'PYEOF'
 import torch
 from swap_optimizer import SwapOptimizer
 torch.manual_seed(0)
-for arenas in (2, 3):
+for arenas, state_keys in ((2, None), (3, None), (3, ("exp_avg",))):  # the last keeps exp_avg_sq on the device
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda()
-    opt = SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), swap_times=3, num_arenas=arenas, min_numel=300)
+    opt = SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), swap_times=3, num_arenas=arenas, min_numel=300,
+                        state_keys=state_keys)
     assert opt.memory_stats()["split_params"] >= 1, "the sanitizer run must cover split params"
     for _ in range(2):
         model(torch.randn(8, 256, device="cuda")).square().mean().backward()

@@ -285,6 +285,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102  (torch.optim API)
+        self._refuse_if_torn("step")  # before the closure runs or anything is written
         loss = None
         if closure is not None:  # as torch.optim.Adam: evaluated once, before the update
             with torch.enable_grad():
@@ -393,10 +394,13 @@ class SwapOptimizer(torch.optim.Optimizer):
             hook(self)
 
     def _refuse_if_torn(self, what: str) -> None:
+        """Refuses `what` while a failed step has left a split param partly updated
+        (the runtime's step() refuses in the same words)."""
         torn = self._runtime.torn_params()
         if torn:
-            raise RuntimeError(f"SwapOptimizer.{what}: a failed step left param(s) {torn} partly updated; load a "
-                               "checkpoint with load_state_dict() first")
+            raise RuntimeError(f"SwapOptimizer: a failed step left param(s) {', '.join(map(str, torn))} partly "
+                               f"updated; {what}() refuses to run so that no piece is stepped twice. Load a "
+                               "checkpoint with load_state_dict() (which clears this), or create a new SwapOptimizer")
 
     # ----------------------------------------------------------------- misc
     def memory_stats(self) -> dict[str, Any]:

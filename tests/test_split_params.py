@@ -287,14 +287,30 @@ def element_status(now, before, after, i):
     return old, new
 
 
+def two_groups(model):
+    """pre and the embedding in one group, the rest in another: a batch holding
+    the embedding's tail and mid's weight makes two op calls."""
+    params = list(model.parameters())
+    return [{"params": params[:3]}, {"params": params[3:]}]
+
+
+FAULT_SETUPS = {
+    "all swapped": {},
+    "exp_avg kept on the device": dict(state_keys=("exp_avg_sq",)),
+}
+
+
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("setup", list(FAULT_SETUPS))
 @pytest.mark.parametrize("num_arenas", [2, 3])
-@pytest.mark.parametrize("fault", ["stage_in", "update"])
-def test_fault_inside_and_outside_a_split_param_keeps_every_element_consistent(fault, num_arenas, device):
+@pytest.mark.parametrize("fault", ["stage_in", "update", "update_last_call"])
+def test_fault_inside_and_outside_a_split_param_keeps_every_element_consistent(fault, num_arenas, setup, device):
     model = build(device)
-    optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=6, num_arenas=num_arenas)
+    optimizer = so.SwapOptimizer(adamw(two_groups(model)), swap_times=6, num_arenas=num_arenas,
+                                 **FAULT_SETUPS[setup])
     plan = optimizer._batch_plan()
     assert plan[0]["resident"]
+    numels = [p.numel() for p in model.parameters()]
     embed = 2  # the split param's index (pre.weight, pre.bias, embed.weight, ...)
     embed_batches = [b for b, batch in enumerate(plan) if embed in batch["params"]]
     assert len(embed_batches) >= 4
@@ -304,7 +320,7 @@ def test_fault_inside_and_outside_a_split_param_keeps_every_element_consistent(f
         before = snapshot(optimizer, model)
         reference = build(device)
         reference.load_state_dict(model.state_dict())
-        plain = adamw(reference.parameters(), foreach=False)
+        plain = adamw(two_groups(reference), foreach=False)
         plain.load_state_dict(round_trip(optimizer.state_dict()))  # its own copy, not our store
         train(reference, plain, 1, device, first_step=100 + fault_batch)
         after = snapshot(plain, reference)
@@ -317,30 +333,36 @@ def test_fault_inside_and_outside_a_split_param_keeps_every_element_consistent(f
         now = snapshot(optimizer, model)
 
         # Each element is old or new together with all its states; the new ones are
-        # exactly the pieces of a prefix of the batches (for update faults, those before the fault).
-        updated_through = None
+        # exactly the pieces of a prefix of the rows in pipeline order; a param's step
+        # count is new exactly when its last piece is.
+        first_old = None  # (batch, row) of the first piece left old
+        last_piece_new, any_piece_new = {}, set()
         for b, batch in enumerate(plan):
-            for i, offset, count in batch["pieces"]:
+            for r, (i, offset, count) in enumerate(batch["pieces"]):
                 old, new = element_status(now, before, after, i)
                 assert bool((old | new).all()), f"fault at batch {fault_batch}: param {i} mixes old and new"
-                piece_new = bool(new[offset:offset + count].all()) and not bool(old[offset:offset + count].all())
                 piece_old = bool(old[offset:offset + count].all())
-                assert piece_new or piece_old
-                if piece_old and updated_through is None:
-                    updated_through = b
-                assert piece_old == (updated_through is not None), "updated pieces are a prefix of the batches"
+                assert piece_old or bool(new[offset:offset + count].all())
+                if piece_old and first_old is None:
+                    first_old = (b, r)
+                assert piece_old == (first_old is not None), "updated pieces are a prefix of the rows"
+                if not piece_old:
+                    any_piece_new.add(i)
+                if offset + count == numels[i]:
+                    last_piece_new[i] = not piece_old
+        for i, (state_now, state_before) in enumerate(zip(now[1], before[1])):
+            assert state_now["step"].item() == state_before["step"].item() + last_piece_new[i], f"param {i}'s step"
         if fault == "update":
-            assert updated_through == fault_batch
-        embed_new = updated_through is None or updated_through > embed_batches[-1]
-        embed_torn = updated_through is not None and embed_batches[0] < updated_through <= embed_batches[-1]
-        assert now[1][embed]["step"].item() == before[1][embed]["step"].item() + embed_new
-        if embed_torn:
+            assert first_old == (fault_batch, 0)
+        elif fault == "update_last_call":
+            assert first_old[0] == fault_batch
+        if embed in any_piece_new and not last_piece_new[embed]:  # torn
             torn_seen += 1
             assert "param 2 (shape [3000, 48]) was partly updated" in str(info.value)
             assert optimizer._runtime.torn_params() == [embed]
             with pytest.raises(RuntimeError, match="left param\\(s\\) 2 partly updated; step\\(\\) refuses"):
-                optimizer.step()
-            with pytest.raises(RuntimeError, match="left param\\(s\\) \\[2\\] partly updated"):
+                optimizer.step(closure=lambda: pytest.fail("a refused step must not run its closure"))
+            with pytest.raises(RuntimeError, match="left param\\(s\\) 2 partly updated; add_param_group\\(\\) refuses"):
                 optimizer.add_param_group({"params": [torch.zeros(3, device=device, requires_grad=True)]})
             assert snapshot(optimizer, model)[1][embed]["step"] == now[1][embed]["step"]  # nothing moved
             optimizer.load_state_dict(optimizer.state_dict())  # a checkpoint: here, the consistent state itself
@@ -349,13 +371,61 @@ def test_fault_inside_and_outside_a_split_param_keeps_every_element_consistent(f
         # The next steps are right: they match a plain AdamW loaded from this state.
         reference = build(device)
         reference.load_state_dict(model.state_dict())
-        plain = adamw(reference.parameters(), foreach=False)
-        plain.load_state_dict(round_trip(optimizer.state_dict()))  # its own copy, not our store
+        plain = adamw(two_groups(reference), foreach=False)
+        plain.load_state_dict(round_trip(optimizer.state_dict()))
         train(model, optimizer, 2, device, first_step=200)
         train(reference, plain, 2, device, first_step=200)
         for p, q in zip(model.parameters(), reference.parameters()):
             assert_close(p, q, **TRAIN_TOL)
     assert torn_seen >= 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fault_in_a_step_grad_scaler_skips_tears_nothing(device):
+    """With found_inf set the step writes nothing, so a fault inside the split
+    param leaves nothing partly updated and marks nothing torn."""
+    model = build(device)
+    optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=6)
+    train(model, optimizer, 2, device)
+    middle_of_embedding = [b for b, batch in enumerate(optimizer._batch_plan()) if 2 in batch["params"]][2]
+    before = snapshot(optimizer, model)
+    loss_of(model, 7, device).backward()
+    optimizer.grad_scale = torch.ones(1, device=device)
+    optimizer.found_inf = torch.ones(1, device=device)  # as GradScaler hands them over after an inf
+    optimizer._set_test_hooks(fault="update", fault_batch=middle_of_embedding)
+    with pytest.raises(RuntimeError, match="injected test fault") as info:
+        optimizer.step()
+    del optimizer.grad_scale, optimizer.found_inf
+    optimizer._set_test_hooks()
+    assert "partly updated" not in str(info.value) and optimizer._runtime.torn_params() == []
+    now = snapshot(optimizer, model)
+    assert all(torch.equal(a, b) for a, b in zip(now[0], before[0]))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(now[1], before[1]) for k in a)
+    train(model, optimizer, 1, device, first_step=8)
+    assert optimizer.state[model.embed.weight]["step"].item() == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_params_beside_split_params(device):
+    """A param of 0 elements keeps (empty) states and a step count when the
+    plan splits others, and a plain AdamW loads the state dict."""
+    big = torch.randn(200_000, device=device, requires_grad=True)
+    empty = torch.zeros(0, 4, device=device, requires_grad=True)
+    small = torch.randn(3000, device=device, requires_grad=True)
+    optimizer = so.SwapOptimizer(adamw([big, empty, small]), swap_times=8, min_numel=0)
+    assert optimizer.memory_stats()["split_params"] == 1
+    for step in range(2):
+        for p in (big, empty, small):
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+    state = optimizer.state_dict()["state"]
+    assert state[1]["step"].item() == 2 and state[1]["exp_avg"].shape == (0, 4)
+    plain = adamw([big.detach().clone().requires_grad_(), empty.detach().clone().requires_grad_(),
+                   small.detach().clone().requires_grad_()])
+    plain.load_state_dict(round_trip(optimizer.state_dict()))
+    for p in plain.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    plain.step()
 
 
 @pytest.mark.parametrize("num_arenas", [2, 3])

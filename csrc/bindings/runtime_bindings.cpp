@@ -41,8 +41,9 @@ FaultPoint parse_fault(const std::optional<std::string>& name) {
   if (!name) return FaultPoint::kNone;
   if (*name == "stage_in") return FaultPoint::kStageIn;
   if (*name == "update") return FaultPoint::kUpdate;
+  if (*name == "update_last_call") return FaultPoint::kUpdateLastCall;
   if (*name == "interrupt") return FaultPoint::kInterrupt;
-  TORCH_CHECK_VALUE(false, "fault must be None, 'stage_in', 'update' or 'interrupt', got '", *name, "'");
+  TORCH_CHECK_VALUE(false, "fault must be None, 'stage_in', 'update', 'update_last_call' or 'interrupt', got '", *name, "'");
 }
 
 py::list batch_plan(const runtime::StorePlan& plan) {
@@ -138,8 +139,7 @@ void bind_runtime(py::module& module) {
       .def("batch_plan", [](const SwapRuntime& self) { return batch_plan(self.plan()); },
            "The batches in pipeline order: param indices, pieces (param, element offset, count), the bytes "
            "each moves each way and its arena bytes.")
-      .def("torn_params",
-           &SwapRuntime::torn_params,
+      .def("torn_params", &SwapRuntime::torn_params, py::call_guard<py::gil_scoped_release>(),
            "Params a failed step left partly updated; step() refuses to run while there are any.")
       .def(
           "clear_torn",
@@ -190,8 +190,7 @@ void bind_runtime(py::module& module) {
         summary["step_table_bytes"] = plan.step_table_bytes;
         summary["resident_state_bytes"] = plan.resident_store_bytes;
         summary["batches"] = plan.rotating_batches;
-        summary["split_params"] = std::count_if(plan.slots.begin(), plan.slots.end(),
-                                                [](const runtime::SlotPlacement& slot) { return slot.split; });
+        summary["split_params"] = plan.split_params;
         summary["plan"] = batch_plan(plan);
         return summary;
       },

@@ -53,7 +53,7 @@ at::Tensor allocate_host_slab(int64_t bytes, bool try_pin, bool* pinned) {
   void* pointer = nullptr;
   *pinned = false;
 #ifdef SWAP_OPTIMIZER_WITH_CUDA
-  if (try_pin && !pin_failure_simulated.load()) {
+  if (try_pin && bytes > 0 && !pin_failure_simulated.load()) {
     pointer = allocate_pinned(bytes);
     *pinned = pointer != nullptr;
   }

@@ -48,6 +48,8 @@ void run_pipeline(Transport& transport, BatchWork& work, const std::vector<int>&
   auto stage_out_step_table = [&] {
     transport.record(Queue::kCompute, kUpdatesDoneMarker);
     transport.wait(Queue::kDeviceToHost, kUpdatesDoneMarker);
+    // After a failure before any update, nothing else orders it after its copy in.
+    transport.wait(Queue::kDeviceToHost, kStepTableInMarker);
     work.stage_out_step_table();
     transport.record(Queue::kDeviceToHost, kStepTableOutMarker);
   };
@@ -62,6 +64,7 @@ void run_pipeline(Transport& transport, BatchWork& work, const std::vector<int>&
     transport.record(Queue::kCompute, kStepBeginMarker);
     transport.wait(Queue::kHostToDevice, kStepBeginMarker);
     work.stage_in_step_table();
+    transport.record(Queue::kHostToDevice, kStepTableInMarker);
     step_table_in = true;
     stage_ready(-1);
     for (int64_t b = 0; b < batches; ++b) {

@@ -13,13 +13,14 @@ namespace swap_optimizer::runtime {
 enum class Queue : int { kCompute = 0, kHostToDevice = 1, kDeviceToHost = 2 };
 
 // Completion markers: CUDA events, or completion counts of the worker queues.
-// Four for the step itself, then three for each arena slot.
+// Five for the step itself, then three for each arena slot.
 enum class Marker : int { kStaged = 0, kUpdated = 1, kUnstaged = 2 };
 constexpr int kStepBeginMarker = 0;
 constexpr int kStepEndMarker = 1;
 constexpr int kUpdatesDoneMarker = 2;     // compute: every update of the step enqueued
-constexpr int kStepTableOutMarker = 3;    // copy out: the step table is back on the host
-constexpr int kStepMarkers = 4;
+constexpr int kStepTableInMarker = 3;     // copy in: the step table is on the device
+constexpr int kStepTableOutMarker = 4;    // copy out: the step table is back on the host
+constexpr int kStepMarkers = 5;
 constexpr int marker_count(int slots) { return kStepMarkers + 3 * slots; }
 constexpr int slot_marker(Marker marker, int slot) { return kStepMarkers + 3 * slot + static_cast<int>(marker); }
 

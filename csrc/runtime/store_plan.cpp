@@ -87,6 +87,10 @@ PieceBatches fill_with_splits(const std::vector<SlotSpec>& specs, const std::vec
     const SlotSpec& spec = specs[slot];
     const int64_t min_piece = min_piece_elements(spec);
     const int64_t per_element = bytes_per_element(spec);
+    if (spec.numel == 0) {  // nothing to move, but it has (empty) states and a step count
+      batches.back().push_back({slot, 0, 0});
+      continue;
+    }
     int64_t offset = 0, remaining = spec.numel;
     while (remaining > 0) {
       const int64_t cost = piece_cost(spec, remaining);
@@ -125,12 +129,17 @@ int64_t largest_batch_cost(const std::vector<SlotSpec>& specs, const PieceBatche
   return largest;
 }
 
+int64_t finest_parts(int64_t slot_count, int64_t total_cost) {
+  return std::max<int64_t>({slot_count, (total_cost + kMinPieceBytes - 1) / kMinPieceBytes, 1});
+}
+
 PieceBatches partition_pieces(const std::vector<SlotSpec>& specs, const std::vector<int64_t>& slots,
                               int64_t parts) {
   if (slots.empty()) return {};
   std::vector<int64_t> costs;
   for (int64_t slot : slots) costs.push_back(piece_cost(specs[slot], specs[slot].numel));
   const int64_t total = std::accumulate(costs.begin(), costs.end(), int64_t{0});
+  parts = std::min(parts, finest_parts(static_cast<int64_t>(slots.size()), total));
   const int64_t ideal = (total + parts - 1) / parts;
   PieceBatches whole = whole_param_batches(specs, slots, partition_balanced(costs, parts));
   if (largest_batch_cost(specs, whole) <= ideal + kMinPieceBytes) return whole;
@@ -207,6 +216,16 @@ int64_t place_piece(const SlotSpec& spec, const std::vector<int>& keys, const Sl
 
 }  // namespace
 
+int64_t finest_swap_times(const std::vector<SlotSpec>& specs) {
+  int64_t slots = 0, total = 0;
+  for (const SlotSpec& spec : specs) {
+    if (!spec.swappable) continue;
+    ++slots;
+    total += piece_cost(spec, spec.numel);  // every kept state joins the arena, swapped or not
+  }
+  return finest_parts(slots, total);
+}
+
 std::vector<std::pair<int64_t, int64_t>> partition_balanced(const std::vector<int64_t>& costs,
                                                             int64_t parts) {
   const int64_t n = static_cast<int64_t>(costs.size());
@@ -254,7 +273,7 @@ StorePlan plan_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_ke
     batch.resident = true;
     int64_t cursor = 0;
     for (int64_t slot : resident_slots) {
-      PieceRow& row = batch.rows.emplace_back(PieceRow{slot, 0, specs[slot].numel, {}, true});
+      PieceRow& row = batch.rows.emplace_back(PieceRow{slot, 0, specs[slot].numel, {}, slot, true});
       row.arena_offset.fill(kNoOffset);
       cursor = place_whole(specs[slot], keys_at(specs[slot], swap_keys, false), cursor, kResidentStore, 0,
                            &row.arena_offset, plan.slots[slot]);
@@ -294,22 +313,24 @@ StorePlan plan_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_ke
   for (const std::vector<Piece>& batch_pieces : pieces) {
     BatchPlan& batch = plan.batches.emplace_back();
     for (const Piece& piece : batch_pieces) {
-      PieceRow& row = batch.rows.emplace_back(PieceRow{piece.slot, piece.offset, piece.count, {}, false});
+      PieceRow& row = batch.rows.emplace_back(PieceRow{piece.slot, piece.offset, piece.count, {}, piece.slot, false});
       row.arena_offset.fill(kNoOffset);
       row.advances_step = piece.offset + piece.count == specs[piece.slot].numel;
     }
-    // Host states: whole params packed as in the batch's own host region, then pieces.
+    // Host states: whole params packed as in the batch's own host region, then
+    // pieces. The region exists whenever a whole param has host states, even
+    // empty ones (a param of 0 elements): their views point into it.
     const int64_t packed_region = static_cast<int64_t>(plan.host_region_bytes.size());
     int64_t cursor = 0;
+    bool packed_states = false;
     for (PieceRow& row : batch.rows) {
       if (plan.slots[row.slot].split) continue;
-      cursor = place_whole(specs[row.slot], keys_at(specs[row.slot], swap_keys, true), cursor, packed_region, 0,
-                           &row.arena_offset, plan.slots[row.slot]);
+      const std::vector<int> keys = keys_at(specs[row.slot], swap_keys, true);
+      packed_states |= !keys.empty();
+      cursor = place_whole(specs[row.slot], keys, cursor, packed_region, 0, &row.arena_offset, plan.slots[row.slot]);
     }
-    if (cursor > 0) {
-      plan.host_region_bytes.push_back(cursor);
-      batch.host_copies.push_back({packed_region, 0, cursor, 0, cursor, cursor, 1});
-    }
+    if (packed_states) plan.host_region_bytes.push_back(cursor);
+    if (cursor > 0) batch.host_copies.push_back({packed_region, 0, cursor, 0, cursor, cursor, 1});
     for (PieceRow& row : batch.rows) {
       if (!plan.slots[row.slot].split) continue;
       cursor = place_piece(specs[row.slot], keys_at(specs[row.slot], swap_keys, true), plan.slots[row.slot], cursor,
@@ -343,6 +364,8 @@ StorePlan plan_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_ke
     ++plan.rotating_batches;
   }
   plan.moved_bytes += plan.host_region_bytes[kStepTableRegion];
+  plan.split_params = std::count_if(plan.slots.begin(), plan.slots.end(),
+                                    [](const SlotPlacement& slot) { return slot.split; });
   plan.host_bytes = std::accumulate(plan.host_region_bytes.begin(), plan.host_region_bytes.end(), int64_t{0});
   return plan;
 }

@@ -64,6 +64,7 @@ struct PieceRow {
   int64_t element_offset;  // first element of the piece in the param
   int64_t count;           // elements in the piece
   KeyOffsets arena_offset; // byte offset of each kept state's piece in the arena; kNoOffset if not kept
+  int64_t step_index;      // the param's count in the step table
   bool advances_step;      // the param's last piece: its update advances the step count
 };
 
@@ -84,7 +85,7 @@ struct RegionCopy {
 // (first the whole params, packed exactly as in the batch's own host region, so
 // one copy moves them; then each piece of a split param, its states row by row),
 // then the states kept on the device, which join the arena for the update.
-// The resident batch (params too small or not swappable) uses its block of the
+// The resident batch (params too small or not swappable) uses the start of the
 // resident store as its arena, so nothing of it travels.
 struct BatchPlan {
   std::vector<PieceRow> rows;
@@ -92,7 +93,6 @@ struct BatchPlan {
   std::vector<RegionCopy> resident_copies;  // device to device, in before the update and out after
   int64_t host_bytes = 0;                   // moved each way
   int64_t arena_bytes = 0;
-  int64_t resident_offset = 0;              // resident batch: where its arena lies in the resident store
   bool resident = false;
 };
 
@@ -102,7 +102,8 @@ struct StorePlan {
   std::vector<int64_t> host_region_bytes;  // exact size of each host region; 0 is the step table
   int64_t rotating_batches = 0;            // batches that go through staging arenas
   int64_t staging_arena_bytes = 0;         // the largest arena of a rotating batch
-  int64_t step_table_bytes = 0;            // the device step table, allocated with the arenas
+  int64_t step_table_bytes = 0;            // the device step table as counted in staging (256-B aligned)
+  int64_t split_params = 0;                // params whose pieces are in several batches
   int64_t resident_store_bytes = 0;
   int64_t host_bytes = 0;                  // all host regions
   int64_t moved_bytes = 0;                 // bytes a step moves each way, step table included
@@ -116,6 +117,10 @@ constexpr int64_t align_up(int64_t value, int64_t alignment) {
 // [begin, end) whose largest sum is as small as possible.
 std::vector<std::pair<int64_t, int64_t>> partition_balanced(const std::vector<int64_t>& costs,
                                                             int64_t parts);
+
+// The finest split worth asking for: a batch per swappable slot, or a batch per
+// piece of the state, whichever is more. plan_store makes no more batches.
+int64_t finest_swap_times(const std::vector<SlotSpec>& slots);
 
 // `swap_keys` says which states of swappable slots go to the host store; the
 // others stay in the resident store. swap_times >= 1.

@@ -75,27 +75,36 @@ int64_t smallest_swap_times_for_budget(const std::vector<SlotSpec>& specs, const
   auto staging_bytes = [&](int64_t swap_times) {
     return staging_bytes_of(plan_store(specs, swap_keys, swap_times), num_arenas);
   };
-  // The finest split worth asking for: a batch per swappable param, or a batch
-  // per smallest piece of the state, whichever is more.
-  const int64_t swappable = std::count_if(specs.begin(), specs.end(),
-                                          [](const SlotSpec& s) { return s.swappable; });
-  const int64_t whole_state_arena = plan_store(specs, swap_keys, 1).staging_arena_bytes;
-  const int64_t most = std::max<int64_t>({swappable, whole_state_arena / kMinPieceBytes, 1});
+  const int64_t most = finest_swap_times(specs);
+  // Staging shrinks as batches are added until they come near a piece; among
+  // the finest splits it wobbles by a piece or so. The least of those is the
+  // smallest budget this search promises to meet.
+  constexpr int64_t kFinestWindow = 8;
+  int64_t smallest_at = most;
   *smallest_possible_bytes = staging_bytes(most);
+  for (int64_t k = std::max<int64_t>(1, most - kFinestWindow); k < most; ++k) {
+    const int64_t bytes = staging_bytes(k);
+    if (bytes < *smallest_possible_bytes) {
+      *smallest_possible_bytes = bytes;
+      smallest_at = k;
+    }
+  }
   // Below num_arenas batches every extra batch adds an arena: try each count.
-  for (int64_t k = 1; k <= std::min(num_arenas, most); ++k) {
+  const int64_t few = std::min(num_arenas, smallest_at);
+  for (int64_t k = 1; k <= few; ++k) {
     if (staging_bytes(k) <= budget_bytes) return k;
   }
   if (*smallest_possible_bytes > budget_bytes) return -1;
   // From num_arenas batches on the arena count is fixed and the largest batch
-  // shrinks as batches are added (up to a piece of rounding): bisect, then step
+  // shrinks as batches are added: bisect up to a count known to fit, then step
   // back while a smaller count still fits.
-  int64_t low = std::min(num_arenas, most) + 1, high = most;
+  int64_t low = few + 1, high = smallest_at;
   while (low < high) {
     const int64_t mid = low + (high - low) / 2;
     if (staging_bytes(mid) <= budget_bytes) high = mid; else low = mid + 1;
   }
-  while (low > std::min(num_arenas, most) + 1 && staging_bytes(low - 1) <= budget_bytes) --low;
+  if (staging_bytes(low) > budget_bytes) low = smallest_at;  // the bisection met a wobble
+  while (low > few + 1 && staging_bytes(low - 1) <= budget_bytes) --low;
   return low;
 }
 
@@ -152,11 +161,15 @@ class SwapRuntime::Step final : public BatchWork {
     const BatchPlan& plan = runtime_.plan_.batches[batch];
     const at::Tensor arena = runtime_.arena_for(batch, slot);
     // States kept on the device join the arena for the update and go back after it.
+    // Row by row: each a contiguous copy (a strided uint8 copy_ would run
+    // TensorIterator's elementwise kernel instead of a memcpy).
     auto join = [&](bool into_arena) {
       for (const RegionCopy& copy : plan.resident_copies) {
-        at::Tensor in_arena = arena.as_strided({copy.rows, copy.width}, {copy.arena_pitch, 1}, copy.arena_offset);
-        at::Tensor home = runtime_.resident_store_.as_strided({copy.rows, copy.width}, {copy.pitch, 1}, copy.offset);
-        if (into_arena) in_arena.copy_(home); else home.copy_(in_arena);
+        for (int64_t r = 0; r < copy.rows; ++r) {
+          at::Tensor in_arena = arena.narrow(0, copy.arena_offset + r * copy.arena_pitch, copy.width);
+          at::Tensor home = runtime_.resident_store_.narrow(0, copy.offset + r * copy.pitch, copy.width);
+          if (into_arena) in_arena.copy_(home); else home.copy_(in_arena);
+        }
       }
     };
     join(true);
@@ -191,23 +204,26 @@ class SwapRuntime::Step final : public BatchWork {
   void update_rows(int64_t batch, const at::Tensor& arena) {
     const BatchPlan& plan = runtime_.plan_.batches[batch];
     const int64_t count = static_cast<int64_t>(plan.rows.size());
-    const at::Tensor& layout = runtime_.layouts_[batch];
-    int64_t begin = 0;
-    while (begin < count) {
+    std::vector<std::pair<int64_t, int64_t>> runs;
+    for (int64_t begin = 0; begin < count;) {
       const int64_t first = plan.rows[begin].slot;
-      if (!grads_[first].defined()) {
-        ++begin;
-        continue;
-      }
-      const int64_t group = runtime_.group_of_param_[first];
       int64_t end = begin + 1;
-      while (end < count && grads_[plan.rows[end].slot].defined() &&
-             runtime_.group_of_param_[plan.rows[end].slot] == group) {
-        ++end;
+      if (grads_[first].defined()) {
+        while (end < count && grads_[plan.rows[end].slot].defined() &&
+               runtime_.group_of_param_[plan.rows[end].slot] == runtime_.group_of_param_[first]) {
+          ++end;
+        }
+        runs.emplace_back(begin, end);
       }
-      call_op(plan, begin, end, arena, layout.narrow(0, begin, end - begin), group_args_[group]);
-      progress_.second = end;
       begin = end;
+    }
+    const at::Tensor& layout = runtime_.layouts_[batch];
+    for (size_t r = 0; r < runs.size(); ++r) {
+      const auto [begin, end] = runs[r];
+      if (r + 1 == runs.size()) inject(FaultPoint::kUpdateLastCall, batch, "last op call");
+      call_op(plan, begin, end, arena, layout.narrow(0, begin, end - begin),
+              group_args_[runtime_.group_of_param_[plan.rows[begin].slot]]);
+      progress_.second = end;
     }
   }
 
@@ -286,7 +302,7 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
   for (const int64_t bytes : plan_.host_region_bytes) {
     bool pinned = false;
     host_slabs_.push_back(allocate_host_slab(bytes, pin, &pinned));
-    if (pin && !pinned) {
+    if (pin && !pinned && bytes > 0) {  // an empty region has nothing to pin
       pinned_ = false;
       unpinned_bytes_ += bytes;
     }
@@ -309,7 +325,7 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
       }
       row[kNumel] = piece.count;
       row[kParamOffset] = piece.element_offset;
-      row[kStepIndex] = piece.slot;  // the step table holds param i's count at i
+      row[kStepIndex] = piece.step_index;
       row[kAdvanceStep] = piece.advances_step ? 1 : 0;
     }
     layouts_.push_back(layout);
@@ -322,7 +338,7 @@ SwapRuntime::~SwapRuntime() {
 
 at::Tensor SwapRuntime::arena_for(int64_t batch, int slot) const {
   const BatchPlan& plan = plan_.batches[batch];
-  if (plan.resident) return resident_store_.narrow(0, plan.resident_offset, plan.arena_bytes);
+  if (plan.resident) return resident_store_.narrow(0, 0, plan.arena_bytes);
   return arenas_[slot].narrow(0, 0, plan.arena_bytes);
 }
 
@@ -382,6 +398,7 @@ void SwapRuntime::allocate_arenas() {
     for (int i = 0; i < arena_count_; ++i) {
       arenas_.push_back(at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_)));
     }
+    // n floats; staging counts them as plan_.step_table_bytes (256-byte aligned, as allocators round).
     device_steps_ = at::empty({static_cast<int64_t>(params_.size())}, at::TensorOptions().dtype(at::kFloat).device(device_));
   } catch (const c10::OutOfMemoryError& error) {
     arenas_.clear();
@@ -498,8 +515,7 @@ MemoryStats SwapRuntime::memory_stats() const {
   MemoryStats stats = stats_;
   stats.host_state_bytes = plan_.host_bytes;
   stats.step_table_bytes = plan_.step_table_bytes;
-  stats.split_params = std::count_if(plan_.slots.begin(), plan_.slots.end(),
-                                     [](const SlotPlacement& slot) { return slot.split; });
+  stats.split_params = plan_.split_params;
   stats.pinned = pinned_;
   stats.unpinned_host_bytes = unpinned_bytes_;
   stats.resident_state_bytes = plan_.resident_store_bytes;
@@ -520,6 +536,10 @@ at::Tensor SwapRuntime::state_view(int64_t param, int key) const {
   if (home.offset == kNoOffset) return at::Tensor();
   const c10::ScalarType dtype = key == kMaster ? at::kFloat : state_dtype_of(options_, param_dtype_[param]);
   const int64_t bytes = params_[param].numel() * static_cast<int64_t>(c10::elementSize(dtype));
+  if (bytes == 0) {  // an empty param: nothing to share (the resident store may not even exist)
+    return at::empty(param_shape_[param], at::TensorOptions().dtype(dtype).device(
+                                              home.region == kResidentStore ? device_ : c10::Device(at::kCPU)));
+  }
   const at::Tensor& base = home.region == kResidentStore ? resident_store_ : host_slabs_[home.region];
   return base.narrow(0, home.offset, bytes).view(dtype).view(param_shape_[param]);
 }

@@ -45,7 +45,8 @@ struct MemoryStats {
 };
 
 // Test hooks: random copy delays (host backend) and one injected failure.
-enum class FaultPoint { kNone, kStageIn, kUpdate, kInterrupt };
+// kUpdateLastCall fails before the last op call of the batch, after the others ran.
+enum class FaultPoint { kNone, kStageIn, kUpdate, kUpdateLastCall, kInterrupt };
 struct TestHooks {
   int64_t copy_delay_us = 0;
   uint64_t seed = 0;

@@ -1,10 +1,13 @@
 // Stress test of the runtime core without torch: the pipeline schedule and the
 // host backend's worker-thread transport, built with ThreadSanitizer by
 // tests/cpp/run_sanitizers.sh. Each batch's "update" adds 1 to every value of
-// its arena and checks that the arena holds exactly what the host region held
-// (a missing wait shows up as a wrong value or as a data race). Random copy
-// delays reorder the workers; injected failures and interrupts check that every
-// batch ends wholly old or wholly new. Exits non-zero on the first failure.
+// its arena (moved by strided copies, as split params' pieces are) and to its
+// count in the device step table, and checks that the arena and the step table
+// hold exactly what the host held (a missing wait shows up as a wrong value or
+// as a data race). Random copy delays reorder the workers; injected update and
+// copy-in failures and interrupts check that every batch, step count included,
+// ends wholly old or wholly new. The store plan and the whole-param partition
+// are checked on random inputs too. Exits non-zero on the first failure.
 #include "runtime/host_transport.h"
 #include "runtime/pipeline.h"
 #include "runtime/store_plan.h"
@@ -40,6 +43,7 @@ class CountingWork final : public rt::BatchWork {
       : transport_(transport), host_(host), arenas_(slots, std::vector<float>(arena_floats)) {}
 
   int64_t fail_update_at = -1;
+  int64_t fail_stage_in_at = -1;
   int64_t interrupt_before = -1;
   int64_t expected_value = 0;  // what every host value holds before this step
 
@@ -57,6 +61,7 @@ class CountingWork final : public rt::BatchWork {
   // Each batch moves as two strided copies of half-rows (the shape of a split
   // param's pieces) when it has an even count of values, else as one plain copy.
   void stage_in(int64_t batch, int slot) override {
+    if (batch == fail_stage_in_at) throw Injected("stage in");
     for (const rt::StridedCopy& copy : copies(arenas_[slot].data(), host_[batch].data(), batch, true)) {
       transport_.copy_to_device(copy);
     }
@@ -127,10 +132,15 @@ void run_case(int arenas, int batches, uint64_t seed) {
   int64_t steps_done = 0;
   for (int step = 0; step < 12; ++step) {
     work.expected_value = steps_done;
+    // Steps 3, 7 and 11 fail: an update, an interrupt, a copy in.
     const bool fail = step % 4 == 3;
+    const int64_t kind = step / 4 % 3;
     const int64_t at = static_cast<int64_t>(random() % batches);
-    work.fail_update_at = fail && step % 8 == 3 ? at : -1;
-    work.interrupt_before = fail && step % 8 == 7 && at > 0 ? at : -1;
+    work.fail_update_at = fail && kind == 0 ? at : -1;
+    work.interrupt_before = fail && kind == 1 && at > 0 ? at : -1;
+    work.fail_stage_in_at = fail && kind == 2 ? at : -1;
+    // A fresh device step table holds garbage until its copy in lands.
+    std::fill(work.device_steps.begin(), work.device_steps.end(), -1.0f);
     bool threw = false;
     try {
       rt::run_pipeline(transport, work, slot_of_batch);
@@ -138,7 +148,10 @@ void run_case(int arenas, int batches, uint64_t seed) {
     } catch (const Injected&) {
       threw = true;
     }
-    const int64_t stop = work.fail_update_at >= 0 ? work.fail_update_at : work.interrupt_before;
+    // A copy in of batch `at` is enqueued once the batch before it in its slot is updated.
+    const int64_t stop = work.fail_update_at >= 0      ? work.fail_update_at
+                         : work.fail_stage_in_at >= 0 ? std::max<int64_t>(0, work.fail_stage_in_at - slots + 1)
+                                                      : work.interrupt_before;
     expect(threw == (stop >= 0), "a failure was injected exactly when one was thrown");
     // Batches before the failure are new, the rest old; each wholly, its step count too.
     for (int b = 0; b < batches; ++b) {
@@ -203,9 +216,9 @@ void check_partition() {
   }
 }
 
-// Random params, states and swap_times: the plan covers every element of every
-// swappable param once, in order, in pieces starting at multiples of the
-// granule; no two states overlap in an arena or a home; each state's piece in
+// Random params (some empty), states and swap_times: the plan covers every
+// element of every param once, in order, in pieces starting at multiples of
+// the granule; no two states overlap in an arena or a home; each state's piece in
 // the arena is exactly where the batch's copies bring its home bytes; and the
 // largest arena is within two pieces (plus a granule and alignment) of an even
 // share of the state.
@@ -215,8 +228,8 @@ void check_plan() {
     std::vector<rt::SlotSpec> specs(1 + random() % 8);
     for (rt::SlotSpec& spec : specs) {
       const int64_t scale = random() % 3 == 0 ? 400000 : 3000;
-      spec = {static_cast<int64_t>(1 + random() % scale), random() % 2 ? 4 : 2, random() % 2 == 0,
-              random() % 3 == 0, random() % 5 != 0};
+      const int64_t numel = random() % 10 == 0 ? 0 : static_cast<int64_t>(1 + random() % scale);
+      spec = {numel, random() % 2 ? 4 : 2, random() % 2 == 0, random() % 3 == 0, random() % 5 != 0};
     }
     rt::KeyFlags swap_keys;
     for (bool& key : swap_keys) key = random() % 4 != 0;
@@ -224,6 +237,33 @@ void check_plan() {
     const rt::StorePlan plan = rt::plan_store(specs, swap_keys, swap_times);
     const std::string where = "plan trial " + std::to_string(trial);
     expect(plan.rotating_batches <= swap_times, where + ": at most swap_times batches");
+
+    // Homes: inside their host region, and no two states overlapping in a region or the resident store.
+    std::vector<std::vector<std::pair<int64_t, int64_t>>> home_ranges(plan.host_region_bytes.size() + 1);
+    for (size_t i = 0; i < specs.size(); ++i) {
+      for (int key = 0; key < rt::kStateKeyCount; ++key) {
+        const rt::StateHome& home = plan.slots[i].home[key];
+        if (home.offset == rt::kNoOffset || specs[i].numel == 0) continue;
+        const int64_t width = key == rt::kMaster ? 4 : specs[i].state_element_size;
+        const int64_t end = home.offset + specs[i].numel * width;
+        if (home.region == rt::kResidentStore) {
+          expect(end <= plan.resident_store_bytes, where + ": inside the resident store");
+          home_ranges.back().emplace_back(home.offset, end);
+        } else {
+          expect(home.region > rt::kStepTableRegion &&
+                     home.region < static_cast<int64_t>(plan.host_region_bytes.size()) &&
+                     end <= plan.host_region_bytes[home.region],
+                 where + ": inside its host region");
+          home_ranges[home.region].emplace_back(home.offset, end);
+        }
+      }
+    }
+    for (auto& ranges : home_ranges) {
+      std::sort(ranges.begin(), ranges.end());
+      for (size_t k = 1; k < ranges.size(); ++k) {
+        expect(ranges[k].first >= ranges[k - 1].second, where + ": no two states overlap at home");
+      }
+    }
 
     std::vector<int64_t> covered(specs.size(), 0);
     int64_t total = 0;
@@ -239,7 +279,9 @@ void check_plan() {
       std::vector<std::pair<int64_t, int64_t>> arena_ranges;
       for (const rt::PieceRow& row : batch.rows) {
         const rt::SlotSpec& spec = specs[row.slot];
-        expect(row.element_offset == covered[row.slot] && row.count > 0, where + ": pieces in order, once");
+        expect(row.element_offset == covered[row.slot] && (row.count > 0 || spec.numel == 0),
+               where + ": pieces in order, once");
+        expect(row.step_index == row.slot, where + ": the step table holds param i's count at i");
         expect(row.element_offset % rt::kSplitGranule == 0, where + ": pieces start on a granule");
         covered[row.slot] += row.count;
         expect(row.advances_step == (covered[row.slot] == spec.numel), where + ": the last piece advances");
@@ -251,7 +293,7 @@ void check_plan() {
           const int64_t begin = row.arena_offset[key], end = begin + row.count * width;
           expect(begin % rt::kRegionAlignment == 0 && end <= batch.arena_bytes, where + ": inside the arena");
           arena_ranges.emplace_back(begin, end);
-          if (batch.resident) continue;
+          if (batch.resident || row.count == 0) continue;
           // Follow the copies: which home byte lands on the piece's first and last element?
           const std::vector<rt::RegionCopy>& copies =
               home.region == rt::kResidentStore ? batch.resident_copies : batch.host_copies;
@@ -275,7 +317,13 @@ void check_plan() {
       }
       expect(batch.host_copies.size() <= 5, where + ": a few copies per batch");
     }
-    for (size_t i = 0; i < specs.size(); ++i) expect(covered[i] == specs[i].numel, where + ": every element once");
+    std::vector<bool> in_a_batch(specs.size(), false);
+    for (const rt::BatchPlan& batch : plan.batches) {
+      for (const rt::PieceRow& row : batch.rows) in_a_batch[row.slot] = true;
+    }
+    for (size_t i = 0; i < specs.size(); ++i) {
+      expect(covered[i] == specs[i].numel && in_a_batch[i], where + ": every element once, every param in a batch");
+    }
     const int64_t bound = (total + swap_times - 1) / swap_times + 2 * rt::kMinPieceBytes + 8192;
     expect(plan.staging_arena_bytes <= bound, where + ": largest arena " + std::to_string(plan.staging_arena_bytes) +
                                                   " within the bound " + std::to_string(bound));
