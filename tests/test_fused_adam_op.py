@@ -90,6 +90,26 @@ def test_fp32_million_elements(device, flags):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_adam_l2_decay_rounds_like_torch_where_it_cancels(device):
+    """Adam's grad + weight_decay * param is rounded once, as torch's
+    grad.add(param, alpha=wd) does (an FMA on CPU and CUDA). With grads close to
+    -wd * param the sum cancels, so two roundings left 1% of params outside
+    rtol 1e-5 / atol 1e-7; now exp_avg is torch's bit for bit."""
+    flags = AdamFlags(decoupled=False, weight_decay=0.1, lr=1e-3)
+    params = random_params([1_000_000], torch.float32, device, seed=31)
+    noise = random_params([1_000_000], torch.float32, device, seed=32)[0]
+    grad = -0.1 * params[0] * (1 + 1e-4 * noise)
+    ref = [params[0].clone().requires_grad_()]
+    opt = flags.torch_optimizer(ref, foreach=False)
+    ours = PackedBatches(params, [1], amsgrad=False)
+    ref[0].grad = grad.clone()
+    opt.step()
+    ours.step([grad], flags)
+    assert torch.equal(ours.state(0, 0), opt.state[ref[0]]["exp_avg"])
+    assert_close(params[0], ref[0].detach(), **FP32_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("flags", [f for f in ALL_FLAGS if f.weight_decay], ids=flag_id)
 def test_low_precision_matches_torch_fused(device, dtype, flags):

@@ -100,7 +100,9 @@ SWAP_HOST_DEVICE inline void adam_update(V& param, V grad, V& exp_avg, V& exp_av
     if (hyper.decoupled_weight_decay) {
       param = param * V(hyper.lr_weight_decay_factor);
     } else {
-      grad = grad + V(hyper.weight_decay) * param;
+      // One rounding, as torch's grad.add(param, alpha=weight_decay) on CPU
+      // (vectorised fmadd) and CUDA: the sum can cancel, so two roundings show.
+      grad = MathOps<V>::fma(V(hyper.weight_decay), param, grad);
     }
   }
   exp_avg = lerp_like_torch(exp_avg, grad, hyper.exp_avg_weight);
