@@ -40,6 +40,11 @@ class SwapOptimizerConfig:
     keep_arenas: keep the staging arenas allocated between steps.
     staging_budget_bytes: when set, swap_times becomes the smallest count whose
         arenas fit in this many bytes (swap_times is then ignored).
+    unscale_in_step: whether GradScaler hands step() its scale and inf flag
+        to unscale and skip on the device (no host sync per step), as for
+        torch's fused AdamW. None follows the wrapped optimizer (fused=True:
+        yes); frameworks that refuse such optimizers with gradient clipping
+        (Lightning's bf16-mixed) then accept a plain AdamW.
     """
 
     swap_times: int = 16
@@ -51,6 +56,7 @@ class SwapOptimizerConfig:
     pin_memory: bool = True
     keep_arenas: bool = False
     staging_budget_bytes: Optional[int] = None
+    unscale_in_step: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _check_int("swap_times", self.swap_times, 1)
@@ -63,6 +69,8 @@ class SwapOptimizerConfig:
                              f"torch.float32, got {self.state_dtype!r}")
         if self.staging_budget_bytes is not None:
             _check_int("staging_budget_bytes", self.staging_budget_bytes, 1)
+        if self.unscale_in_step is not None:
+            _check_bool("unscale_in_step", self.unscale_in_step)
         if self.state_keys is not None:
             if isinstance(self.state_keys, str) or not hasattr(self.state_keys, "__iter__"):
                 raise ValueError("SwapOptimizerConfig.state_keys must be None or a sequence of names "

@@ -35,8 +35,9 @@ def _check_optimizer(optimizer: Any) -> None:
 
 
 def _check_group_flags(group: dict, index: int) -> None:
-    for flag, fix in (("foreach", "foreach=None or False"), ("capturable", "capturable=False"),
-                      ("differentiable", "differentiable=False")):
+    # foreach and fused only choose how torch would run the update, which
+    # SwapOptimizer replaces with its own fused one: both are accepted.
+    for flag, fix in (("capturable", "capturable=False"), ("differentiable", "differentiable=False")):
         if group.get(flag):
             raise ValueError(f"SwapOptimizer: param group {index} has {flag}=True, which SwapOptimizer does not "
                              f"support (it runs its own fused update); create the optimizer with {fix}")
@@ -59,6 +60,33 @@ def _check_params(params: list[torch.Tensor], device: Optional[torch.device], fi
             raise ValueError(f"SwapOptimizer: param {index} is on {p.device} but earlier params are on {device}; "
                              "all params must be on one device")
     return device
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes a tensor's elements occupy."""
+    extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
+    return tensor.data_ptr(), tensor.data_ptr() + extent * tensor.element_size()
+
+
+def _check_distinct(params: list[torch.Tensor]) -> None:
+    """Refuses a param listed twice (a tied weight passed twice, say) and params
+    whose memory overlaps; disjoint views of one buffer (vector_to_parameters)
+    are fine. Indices are in param_groups order."""
+    first_index = {}
+    for index, p in enumerate(params):
+        if id(p) in first_index:
+            raise ValueError(f"SwapOptimizer: param {index} is the same tensor as param {first_index[id(p)]} "
+                             "(a tied weight listed twice?); list each param once")
+        first_index[id(p)] = index
+    spans = sorted((*_byte_span(_local(p)), index) for index, p in enumerate(params) if _local(p).numel() > 0)
+    widest = None  # (end, index) of the span reaching furthest so far
+    for begin, end, index in spans:
+        if widest is not None and begin < widest[0]:
+            a, b = sorted((widest[1], index))
+            raise ValueError(f"SwapOptimizer: params {a} and {b} share memory (their elements overlap), so one "
+                             "update would overwrite the other; give each its own tensor, or list a tied weight once")
+        if widest is None or end > widest[0]:
+            widest = (end, index)
 
 
 def _is_dtensor(tensor: Any) -> bool:
@@ -95,8 +123,15 @@ def _local_part(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
                              src_data_rank=None).to_local()
 
 
+def _check_readable(value: torch.Tensor, where: str, key: str) -> None:
+    if value.is_meta or value.layout != torch.strided:
+        kind = "a meta tensor (no data)" if value.is_meta else f"{value.layout} (not dense)"
+        raise ValueError(f"{where}: '{key}' is {kind}; load a state dict of dense tensors with data")
+
+
 def _as_step_value(value: Any, where: str) -> float:
     if isinstance(value, torch.Tensor):
+        _check_readable(value, where, "step")
         if value.numel() != 1:
             raise ValueError(f"{where}: 'step' must hold one number, got shape {tuple(value.shape)}")
         return float(value.item())
@@ -117,8 +152,9 @@ class SwapOptimizer(torch.optim.Optimizer):
     ``state_dict()`` has the wrapped optimizer's format.
     """
 
-    # GradScaler hands grad_scale / found_inf to step() instead of syncing on them.
-    _step_supports_amp_scaling = True
+    # Whether GradScaler hands grad_scale / found_inf to step() instead of syncing
+    # on them: set per instance from config.unscale_in_step (see __init__).
+    _step_supports_amp_scaling = False
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[SwapOptimizerConfig] = None,
                  **fields: Any) -> None:
@@ -126,9 +162,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         _check_optimizer(optimizer)
         for index, group in enumerate(optimizer.param_groups):
             _check_group_flags(group, index)
-        self._device = _check_params([p for g in optimizer.param_groups for p in g["params"]], None)
+        all_params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._device = _check_params(all_params, None)
+        _check_distinct(all_params)
         self.optimizer = optimizer
         self._runtime = None
+        unscale = self.config.unscale_in_step
+        self._step_supports_amp_scaling = (any(bool(g.get("fused")) for g in optimizer.param_groups)
+                                           if unscale is None else unscale)
         # Sets up hooks and step profiling as for any optimizer; add_param_group
         # below defers to the base class until the runtime exists.
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -136,6 +177,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         existing = {p: dict(s) for p, s in optimizer.state.items() if s}
         self._build_runtime(existing, "the wrapped optimizer's state")
+        # Frameworks that hold the inner optimizer save and load through it: its
+        # state dicts are ours (the store, waited for and validated).
+        optimizer.state_dict = self.state_dict
+        optimizer.load_state_dict = self.load_state_dict
 
     # ----------------------------------------------------------------- state
     @property
@@ -196,11 +241,15 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._views = views  # this rank's store views, param by param
         self._entries = [{key: value if key == "step" else _like_param(value, p) for key, value in view.items()}
                          for p, view in zip(params, views)]
+        # As torch.optim, a param shows a state entry once it has one: saved, or
+        # from its first step with a grad. The store keeps a slot for every param.
+        self._shown = [i in dict(updates) for i in range(len(params))]
         state = self.__dict__["_state"]
         state.clear()
-        state.update(zip(params, (dict(entry) for entry in self._entries)))
+        state.update((p, dict(entry)) for p, entry, shown in zip(params, self._entries, self._shown) if shown)
         self._runtime = runtime
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
+        self._data_pointers = [p.data_ptr() for p in local_params]
         self._note_param_versions()
 
     def _note_param_versions(self) -> None:
@@ -212,26 +261,33 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Brings the store up to date with what changed outside step(): a master
         copy follows its param when the param was written since the last step
         (model.load_state_dict, say); a state entry that was replaced, edited or
-        removed in `state` is loaded into the store (removed: reset, as torch
-        starts it anew)."""
+        removed in `state` is loaded into the store (removed: reset and hidden, as
+        torch starts it anew at the param's next grad)."""
         state = self.__dict__["_state"]
         edits, group_of_param = {}, None  # the latter only once something was edited
         for i, p in enumerate(params):
             entry, ours = state.get(p), self._entries[i]
+            if entry is None and not self._shown[i]:
+                continue  # no state yet, as in torch
             if entry is not None and len(entry) == len(ours) and all(entry.get(k) is v for k, v in ours.items()):
                 continue
             group_of_param = group_of_param or self._group_of_param()
             amsgrad = bool(self.param_groups[group_of_param[i]]["amsgrad"])
             edits[i] = self._checked_state(p, entry, amsgrad, f"SwapOptimizer.state[param {i}]") if entry else {}
+        followed = [i for i, version in self._param_versions.items()
+                    if _local(params[i])._version != version and i not in edits]
+        if edits or followed:
+            # The host store is written: the last step's copies out must have landed (on CUDA they may not).
+            self._runtime.synchronize()
         if edits:
             self._write_states(params, self._views, edits, only=edits.keys())
-            for i in edits:
-                state[params[i]] = dict(self._entries[i])
+            for i, values in edits.items():
+                self._shown[i] = bool(values)
+                if values:
+                    state[params[i]] = dict(self._entries[i])
         with torch.no_grad():
-            for i, version in self._param_versions.items():
-                local = _local(params[i])
-                if local._version != version and i not in edits:
-                    self._views[i]["master_param"].copy_(local)
+            for i in followed:
+                self._views[i]["master_param"].copy_(_local(params[i]))
 
     def _checked_state(self, param: torch.Tensor, entry: Any, amsgrad: bool, where: str) -> dict:
         """Validates one param's saved state; returns {key: value} to write."""
@@ -252,6 +308,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                 raise ValueError(f"{where}: '{key}' must be a floating-point tensor, got "
                                  f"{getattr(value, 'dtype', type(value).__name__)}")
+            _check_readable(_local(value), where, key)
             if value.shape != param.shape:
                 raise ValueError(f"{where}: '{key}' has shape {tuple(value.shape)} but the param has shape "
                                  f"{tuple(param.shape)}; the state dict belongs to another model")
@@ -283,9 +340,16 @@ class SwapOptimizer(torch.optim.Optimizer):
                         view[key].copy_(value)
 
     # ------------------------------------------------------------------ step
+    # Dynamo would trace into the C++ runtime and set capturable=True on the
+    # groups (torch.compile(opt.step), a documented recipe): run eagerly instead.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102  (torch.optim API)
         self._refuse_if_torn("step")  # before the closure runs or anything is written
+        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("SwapOptimizer.step() cannot be captured in a CUDA graph: it copies the state "
+                               "between host and device through its own streams. Capture the forward and backward "
+                               "only, and call step() outside the graph")
         loss = None
         if closure is not None:  # as torch.optim.Adam: evaluated once, before the update
             with torch.enable_grad():
@@ -304,8 +368,17 @@ class SwapOptimizer(torch.optim.Optimizer):
                                float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]),
                                bool(decoupled)))
         params = [p for g in groups for p in g["params"]]
+        data_pointers = [_local(p).data_ptr() for p in params]
+        if data_pointers != self._data_pointers:  # .data replaced since the last step: aliasing is possible again
+            _check_distinct(params)
+            self._data_pointers = data_pointers
         self._sync_outside_changes(params)
         grads = [None if p.grad is None else _local(p.grad) for p in params]
+        state = self.__dict__["_state"]
+        for i, (p, grad) in enumerate(zip(params, grads)):
+            if grad is not None and not self._shown[i]:  # its first step: the state appears, as torch makes it
+                self._shown[i] = True
+                state[p] = dict(self._entries[i])
         try:
             self._runtime.step([_local(p) for p in params], grads, group_args, getattr(self, "grad_scale", None),
                                getattr(self, "found_inf", None))
@@ -321,6 +394,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         param_group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
         _check_params(params, self._device, first_index=sum(self._group_sizes))
         _check_group_flags(param_group, len(self.param_groups))
+        _check_distinct(self._params() + params)
         self._refuse_if_torn("add_param_group")
         previous = dict(self.state)  # waits for the last step; views stay valid after the rebuild
         self.optimizer.add_param_group(param_group)  # validates and appends to the shared param_groups
@@ -387,8 +461,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._write_states(params, self._views, values)
         self._runtime.clear_torn()  # every param's state is rewritten, the torn ones' included
         state = self.__dict__["_state"]
-        for p, entry in zip(params, self._entries):
-            state[p] = dict(entry)
+        self._shown = [i in values for i in range(len(params))]
+        for p, entry, shown in zip(params, self._entries, self._shown):
+            if shown:
+                state[p] = dict(entry)
+            else:
+                state.pop(p, None)
         self._note_param_versions()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

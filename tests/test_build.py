@@ -17,3 +17,16 @@ def test_cuda_kernels_compiled_when_torch_is_a_cuda_build():
         pytest.skip("torch is a CPU build")
     assert swap_optimizer.built_with_cuda(), "torch is a CUDA build but the extension has no CUDA kernels"
     assert torch._C._dispatch_has_kernel_for_dispatch_key("swap_optimizer::fused_adam_packed", "CUDA")
+
+
+def test_importing_the_source_folder_says_the_extension_is_not_built_there(tmp_path):
+    """A checkout's source folder has no _C; importing it (python run in the repo
+    root) names the problem and the fix instead of a circular-import error."""
+    import shutil
+    import subprocess
+    import sys
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "swap_optimizer")
+    shutil.copytree(source, tmp_path / "swap_optimizer", ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
+    out = subprocess.run([sys.executable, "-c", "import swap_optimizer"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "the compiled extension (_C) is not built in" in out.stderr and "python -P" in out.stderr

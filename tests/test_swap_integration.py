@@ -37,8 +37,13 @@ def test_lr_scheduler(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_grad_scaler_with_an_inf_step_and_clipping(device):
-    (model, ours), (twin, plain) = side_by_side("mlp", "adamw", device, swap_times=2)
+@pytest.mark.parametrize("unscale_in_step", [False, True])
+def test_grad_scaler_with_an_inf_step_and_clipping(unscale_in_step, device):
+    """Both ways GradScaler can drive the step: unscaling and the inf check on
+    the host (the default for a plain AdamW), or handed to step()."""
+    (model, ours), (twin, plain) = side_by_side("mlp", "adamw", device, swap_times=2,
+                                                unscale_in_step=unscale_in_step)
+    assert ours._step_supports_amp_scaling is unscale_in_step
     scalers = [torch.amp.GradScaler(device, init_scale=2.0 ** 12, growth_interval=3) for _ in range(2)]
     for step in range(12):
         for m, o, scaler in ((model, ours, scalers[0]), (twin, plain, scalers[1])):
@@ -105,13 +110,14 @@ def test_add_param_group(device):
     ours.add_param_group({"params": head.parameters(), "lr": 1e-3})
     plain.add_param_group({"params": twin_head.parameters(), "lr": 1e-3})
     assert len(ours.param_groups) == 2 and ours.param_groups is ours.optimizer.param_groups
-    assert ours.state[head.weight]["exp_avg"].device.type == "cpu"  # 1280 elements: swapped
+    assert head.weight not in ours.state  # no state before its first step, as in torch
     run(model, head, ours, 6, 4)
+    assert ours.state[head.weight]["exp_avg"].device.type == "cpu"  # 1280 elements: swapped
     run(twin, twin_head, plain, 6, 4)
     for p, q in zip(list(model.parameters()) + list(head.parameters()), list(twin.parameters()) + list(twin_head.parameters())):
         assert_close(p, q, **TRAIN_TOL)
-    with pytest.raises(ValueError, match="foreach=True"):
-        ours.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, device=device))], "foreach": True})
+    with pytest.raises(ValueError, match="capturable=True"):
+        ours.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, device=device))], "capturable": True})
     assert len(ours.param_groups) == 2
     run(model, head, ours, 1, 10)
 
