@@ -4,6 +4,7 @@ memory, streamed through a few device staging arenas during step()."""
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import warnings
 from typing import Any, Optional
@@ -60,6 +61,20 @@ def _check_params(params: list[torch.Tensor], device: Optional[torch.device], fi
             raise ValueError(f"SwapOptimizer: param {index} is on {p.device} but earlier params are on {device}; "
                              "all params must be on one device")
     return device
+
+
+def _on_the_optimizer_itself(method):
+    """Runs `method` on the SwapOptimizer itself when it is called through a
+    wrapper that subclasses the optimizer's class and forwards attributes to it
+    (Lightning's LightningOptimizer copies or forwards them): the wrapper's own
+    attributes would be stale copies, and writing them would split the state."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        itself = self._itself
+        if itself is not self:
+            return getattr(itself, method.__name__)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+    return run
 
 
 def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -158,6 +173,7 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[SwapOptimizerConfig] = None,
                  **fields: Any) -> None:
+        self.__dict__["_itself"] = self  # what a forwarding wrapper finds as _itself (see _on_the_optimizer_itself)
         self.config = SwapOptimizerConfig.from_fields(config, fields)
         _check_optimizer(optimizer)
         for index, group in enumerate(optimizer.param_groups):
@@ -186,6 +202,8 @@ class SwapOptimizer(torch.optim.Optimizer):
     @property
     def state(self):  # noqa: D401  (torch.optim attribute)
         """param -> its state; reading it waits for the last step's copies to land."""
+        if self._itself is not self:  # through a forwarding wrapper
+            return self._itself.state
         runtime = self.__dict__.get("_runtime")
         if runtime is not None:
             runtime.synchronize()
@@ -193,7 +211,44 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     @state.setter
     def state(self, value) -> None:
-        self.__dict__["_state"] = value
+        if self._itself is not self:
+            self._itself.state = value
+        else:
+            self.__dict__["_state"] = value
+
+    @property
+    def param_groups(self) -> list[dict]:  # noqa: D102  (torch.optim attribute)
+        if self._itself is not self:  # through a forwarding wrapper
+            return self._itself.param_groups
+        return self.__dict__["_param_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict]) -> None:
+        """Reassigning works as for torch.optim (Lightning's finetuning callbacks
+        do it): the wrapped optimizer gets the same list, and the next step,
+        load_state_dict or add_param_group lays the store out for the new
+        membership, carrying each kept param's state over."""
+        if self._itself is not self:
+            self._itself.param_groups = groups
+            return
+        self.__dict__["_param_groups"] = groups
+        if self.__dict__.get("_runtime") is not None:  # not while Optimizer.__init__ builds the list
+            self.optimizer.param_groups = groups
+
+    def _follow_param_groups(self) -> None:
+        """Rebuilds the store when the params in param_groups are no longer those
+        it was laid out for (groups reassigned, or params added by hand)."""
+        params = self._params()
+        if [id(p) for p in params] == self._param_ids and \
+                [len(g["params"]) for g in self.param_groups] == self._group_sizes:
+            return
+        for index, group in enumerate(self.param_groups):
+            _check_group_flags(group, index)
+        _check_params(params, self._device)
+        _check_distinct(params)
+        self._refuse_if_torn("a change of param_groups")
+        previous = {p: entry for p, entry in self.state.items() if entry}  # waits for the last step
+        self._build_runtime(previous, "the state carried over to the new param_groups")
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -249,6 +304,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         state.update((p, dict(entry)) for p, entry, shown in zip(params, self._entries, self._shown) if shown)
         self._runtime = runtime
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
+        self._param_ids = [id(p) for p in params]
         self._data_pointers = [p.data_ptr() for p in local_params]
         self._note_param_versions()
 
@@ -286,8 +342,9 @@ class SwapOptimizer(torch.optim.Optimizer):
                 if values:
                     state[params[i]] = dict(self._entries[i])
         with torch.no_grad():
-            for i in followed:
-                self._views[i]["master_param"].copy_(_local(params[i]))
+            for i in followed:  # elementwise, as the kernel takes a write through .data
+                master, local = self._views[i]["master_param"], _local(params[i]).to(self._views[i]["master_param"].device)
+                master.copy_(torch.where(master.to(local.dtype) == local, master, local.float()))
 
     def _checked_state(self, param: torch.Tensor, entry: Any, amsgrad: bool, where: str) -> dict:
         """Validates one param's saved state; returns {key: value} to write."""
@@ -342,6 +399,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     # Dynamo would trace into the C++ runtime and set capturable=True on the
     # groups (torch.compile(opt.step), a documented recipe): run eagerly instead.
+    @_on_the_optimizer_itself
     @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102  (torch.optim API)
@@ -354,11 +412,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         if closure is not None:  # as torch.optim.Adam: evaluated once, before the update
             with torch.enable_grad():
                 loss = closure()
+        self._follow_param_groups()
         groups = self.param_groups
-        sizes = [len(g["params"]) for g in groups]
-        if sizes != self._group_sizes:
-            raise ValueError(f"SwapOptimizer: param groups now hold {sizes} params but the state was laid out for "
-                             f"{self._group_sizes}; add params with add_param_group(), not by editing param_groups")
         group_args = []
         for index, group in enumerate(groups):
             _check_group_flags(group, index)
@@ -386,9 +441,11 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._note_param_versions()
         return loss
 
+    @_on_the_optimizer_itself
     def add_param_group(self, param_group: dict) -> None:  # noqa: D102  (torch.optim API)
         if self.__dict__.get("_runtime") is None:  # called by Optimizer.__init__
             return super().add_param_group(param_group)
+        self._follow_param_groups()
         params = param_group["params"]
         # A generator can be read once: keep the list, as torch's add_param_group does.
         param_group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -405,16 +462,19 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise
 
     # ----------------------------------------------------------- state dicts
+    @_on_the_optimizer_itself
     def state_dict(self) -> dict[str, Any]:  # noqa: D102  (torch.optim API)
         """The wrapped optimizer's format; swapped states are the host tensors
         themselves (no device copy), steps are CPU float32 tensors. (The base
         class reads `state`, which waits for the last step's copies.)"""
         return super().state_dict()
 
+    @_on_the_optimizer_itself
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102  (torch.optim API)
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("SwapOptimizer.load_state_dict: expected an optimizer state dict with 'state' and "
                              "'param_groups'")
+        self._follow_param_groups()
         state_dict = state_dict.copy()  # as torch: hooks and loading never change the caller's dict
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
@@ -481,11 +541,13 @@ class SwapOptimizer(torch.optim.Optimizer):
                                "checkpoint with load_state_dict() (which clears this), or create a new SwapOptimizer")
 
     # ----------------------------------------------------------------- misc
+    @_on_the_optimizer_itself
     def memory_stats(self) -> dict[str, Any]:
         """Bytes of the host store, staging arenas (now and peak), resident
         states, bytes moved each way by the last step, batches and arenas."""
         return self._runtime.memory_stats()
 
+    @_on_the_optimizer_itself
     def _set_test_hooks(self, copy_delay_us: int = 0, seed: int = 0, fault: Optional[str] = None,
                         fault_batch: int = -1, simulated_free_bytes: int = -1) -> None:
         """Tests only: random copy delays (host backend), one injected failure,
@@ -493,6 +555,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._runtime.set_test_hooks(copy_delay_us=copy_delay_us, seed=seed, fault=fault, fault_batch=fault_batch,
                                      simulated_free_bytes=simulated_free_bytes)
 
+    @_on_the_optimizer_itself
     def _batch_plan(self) -> list[dict]:
         return self._runtime.batch_plan()
 

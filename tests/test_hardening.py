@@ -242,3 +242,164 @@ def test_a_param_written_right_after_a_step_reaches_its_master_on_cuda():
         optimizer.step()  # lr 0: the param stays the rounding of its master
         assert torch.equal(param, new)
         new = torch.randn_like(param)
+
+
+# ------------------------------------------------------------ items 2, 3
+def test_torch_save_of_16_bit_master_and_mixed_states_saves_each_tensor_alone(tmp_path):
+    """Each state tensor has a storage of its own over the store: torch.save
+    accepts 16-bit states beside fp32 masters and steps (views of one slab in
+    several dtypes), and saving one state writes its bytes, not its slab's."""
+    model = build_model("mlp", "cpu", dtype=torch.bfloat16)
+    extra = torch.nn.Parameter(torch.randn(4096))  # an fp32 param beside the bf16 ones
+    optimizer = so.SwapOptimizer(torch.optim.AdamW(list(model.parameters()) + [extra], lr=1e-3),
+                                 master_weights=True, swap_times=2)
+    for step in range(2):
+        for p in optimizer.param_groups[0]["params"]:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    path = tmp_path / "opt.pt"
+    torch.save(optimizer.state_dict(), path)
+    loaded = torch.load(path, weights_only=True)
+    for index, entry in optimizer.state_dict()["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(loaded["state"][index][key], value)
+    one = optimizer.state[extra]["exp_avg"]  # 16 KiB of a larger slab
+    torch.save(one, tmp_path / "one.pt")
+    assert (tmp_path / "one.pt").stat().st_size < one.numel() * one.element_size() + 4096
+
+
+def written_outside_step(how, model):
+    """Writes every param in a way that bumps no version counter."""
+    params = list(model.parameters())
+    if how == "data.clamp_":
+        for p in params:
+            p.data.clamp_(-0.05, 0.05)
+    elif how == "data.copy_":
+        for p in params:
+            p.data.copy_(torch.full_like(p, 0.01))
+    elif how == "data =":
+        for p in params:
+            p.data = torch.full_like(p, -0.02)
+    else:  # vector_to_parameters
+        flat = torch.nn.utils.parameters_to_vector(params).detach()
+        torch.nn.utils.vector_to_parameters(flat * 0.5, params)
+
+
+@pytest.mark.parametrize("how", ["data.clamp_", "data.copy_", "data =", "vector_to_parameters"])
+def test_master_weights_take_writes_through_data(how):
+    """With master_weights, a param written through .data is taken by its
+    master at the next step (the kernel sees the param is no longer the
+    master's rounding), exactly as a write that bumps the version (which the
+    host follows): both runs stay bitwise equal."""
+    def steps(model, optimizer, first, count):
+        for step in range(first, first + count):
+            generator = torch.Generator().manual_seed(step)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+            optimizer.step()
+
+    runs = []
+    for through_data in (True, False):
+        model = build_model("mlp", "cpu", dtype=torch.bfloat16)
+        optimizer = swap_optimizer("adamw", model.parameters(), master_weights=True, state_dtype=torch.float32,
+                                   swap_times=2, min_numel=0)
+        steps(model, optimizer, 0, 2)
+        if through_data:
+            written_outside_step(how, model)
+        else:
+            twin = build_model("mlp", "cpu", dtype=torch.bfloat16)
+            twin.load_state_dict(model.state_dict())
+            written_outside_step(how, twin)
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), twin.parameters()):
+                    p.copy_(q)  # bumps the version: the host makes the master follow
+        steps(model, optimizer, 2, 2)
+        runs.append((params_of(model), state_tensors(optimizer, model)))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+# ------------------------------------------------------------ item 8
+class CopyingWrapper:
+    """Lightning 1.x's LightningOptimizer: a copy of the optimizer's __dict__ in
+    an instance of a subclass of the optimizer's class."""
+
+    def __init__(self, optimizer):
+        self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k not in ("step", "__del__")}
+        self.__class__ = type("Lightning" + optimizer.__class__.__name__, (self.__class__, optimizer.__class__), {})
+        self._optimizer = optimizer
+
+
+class ForwardingWrapper:
+    """Lightning 2.x's: a subclass instance holding only the optimizer, other
+    attributes forwarded by __getattr__."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+        self.__class__ = type("Lightning" + optimizer.__class__.__name__, (self.__class__, optimizer.__class__), {})
+
+    def __getattr__(self, item):
+        return getattr(self._optimizer, item)
+
+
+@pytest.mark.parametrize("wrapper", [CopyingWrapper, ForwardingWrapper])
+def test_every_path_through_a_framework_wrapper_reaches_the_optimizer(wrapper):
+    model, optimizer = trained()
+    wrapped = wrapper(optimizer)
+    assert isinstance(wrapped, so.SwapOptimizer)
+    first = next(model.parameters())
+    assert wrapped.state[first] is optimizer.state[first]
+    saved = round_trip(wrapped.state_dict())
+    assert saved["state"][0]["step"].item() == 2
+    donor_model = build_model("mlp", "cpu", seed=4)
+    donor = plain_optimizer("adamw", donor_model.parameters())
+    train("mlp", donor_model, donor, 3, "cpu")
+    wrapped.load_state_dict(round_trip(donor.state_dict()))
+    for p, q in zip(model.parameters(), donor_model.parameters()):
+        assert torch.equal(optimizer.state[p]["exp_avg"], donor.state[q]["exp_avg"])
+        assert optimizer.state[p]["step"].item() == 3
+    wrapped.step()  # Lightning calls the inner step; the wrapper's works too
+    assert optimizer.state[first]["step"].item() == 4
+    assert wrapped.memory_stats() == optimizer.memory_stats()
+
+
+# ------------------------------------------------------------ item 7
+def test_reassigned_param_groups_then_load_state_dict_work_as_in_torch():
+    """Lightning's finetuning callbacks reassign param_groups (resume with a
+    backbone unfrozen): the store follows the new membership, states carried
+    over by param, and loading a state dict saved with that grouping works;
+    appending a param to a group by hand works too."""
+    model, twin = build_model("mlp", "cpu"), build_model("mlp", "cpu")
+    ours = swap_optimizer("adamw", list(model.parameters())[:4], swap_times=2, min_numel=0)
+    plain = plain_optimizer("adamw", list(twin.parameters())[:4])
+    train("mlp", model, ours, 2, "cpu")
+    train("mlp", twin, plain, 2, "cpu")
+
+    def regroup(optimizer, m):
+        params = list(m.parameters())
+        head = dict(optimizer.param_groups[0], params=params[:4])
+        optimizer.param_groups = [head, dict(head, params=params[4:], lr=1e-3)]
+    regroup(ours, model)
+    regroup(plain, twin)
+    assert ours.optimizer.param_groups is ours.param_groups
+    train("mlp", model, ours, 2, "cpu", first_step=2)
+    train("mlp", twin, plain, 2, "cpu", first_step=2)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert_close(p, q, **TRAIN_TOL)
+    # A resume: regroup a fresh pair, then load the state dict saved with the new grouping.
+    resumed_model = build_model("mlp", "cpu")
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = swap_optimizer("adamw", list(resumed_model.parameters())[:4], swap_times=2, min_numel=0)
+    regroup(resumed, resumed_model)
+    resumed.load_state_dict(round_trip(ours.state_dict()))
+    assert resumed.state[next(resumed_model.parameters())]["step"].item() == 4
+    train("mlp", resumed_model, resumed, 2, "cpu", first_step=4)
+    train("mlp", model, ours, 2, "cpu", first_step=4)
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q)
+    # A param appended to a group by hand: its state starts at its first step, as in torch.
+    extra = torch.nn.Parameter(torch.randn(300))
+    ours.param_groups[1]["params"].append(extra)
+    extra.grad = torch.ones_like(extra)
+    ours.step()
+    assert ours.state[extra]["step"].item() == 1

@@ -92,10 +92,6 @@ def break_amsgrad(model, optimizer):
     optimizer.param_groups[0]["amsgrad"] = True
 
 
-def break_groups(model, optimizer):
-    optimizer.param_groups[0]["params"].append(torch.nn.Parameter(torch.randn(3)))
-
-
 def break_lr(model, optimizer):
     optimizer.param_groups[0]["lr"] = -1.0
 
@@ -115,7 +111,6 @@ def break_grad_sparse(model, optimizer):
 
 @pytest.mark.parametrize("breaker, error, message", [
     (break_amsgrad, ValueError, "amsgrad cannot change after wrapping"),
-    (break_groups, ValueError, "add params with add_param_group"),
     (break_lr, ValueError, "need lr >= 0"),
     (break_capturable, ValueError, "capturable=True"),
     (break_param_dtype, ValueError, "create a new SwapOptimizer after moving or converting the model"),

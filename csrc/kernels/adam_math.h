@@ -76,6 +76,16 @@ struct MathOps<float> {
   }
 };
 
+// The value the update starts from when an fp32 master copy is kept: the
+// master, unless the param is no longer its rounding (it was written outside
+// step(), through .data say, which bumps no version counter): then the param's
+// value, which the master takes. Costs nothing extra: the kernel reads both.
+template <typename param_t>
+SWAP_HOST_DEVICE inline float master_or_written_param(float master, param_t param) {
+  const float stored = static_cast<float>(param);
+  return static_cast<float>(static_cast<param_t>(master)) == stored ? master : stored;
+}
+
 // torch.lerp's formula for a scalar weight, chosen by the weight's magnitude,
 // with the fused multiply-add that torch's vectorised CPU lerp uses.
 template <typename V>

@@ -6,6 +6,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
@@ -35,6 +36,15 @@ constexpr const char* kStateNames[kStateKeyCount] = {"exp_avg", "exp_avg_sq", "m
 
 c10::ScalarType state_dtype_of(const RuntimeOptions& options, c10::ScalarType param_dtype) {
   return options.state_dtype.value_or(param_dtype);
+}
+
+// A tensor over bytes [offset, offset + its size) of `base` with a storage of
+// its own, which keeps `base` alive: torch.save then writes only these bytes,
+// and views of one slab in different dtypes do not share a storage (which
+// torch.save refuses).
+at::Tensor own_storage_view(const at::Tensor& base, int64_t offset, c10::IntArrayRef shape, c10::ScalarType dtype) {
+  void* data = static_cast<uint8_t*>(base.data_ptr()) + offset;
+  return at::from_blob(data, shape, [keep = base](void*) {}, base.options().dtype(dtype));
 }
 
 }  // namespace
@@ -541,17 +551,14 @@ at::Tensor SwapRuntime::state_view(int64_t param, int key) const {
                                               home.region == kResidentStore ? device_ : c10::Device(at::kCPU)));
   }
   const at::Tensor& base = home.region == kResidentStore ? resident_store_ : host_slabs_[home.region];
-  return base.narrow(0, home.offset, bytes).view(dtype).view(param_shape_[param]);
+  return own_storage_view(base, home.offset, param_shape_[param], dtype);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> SwapRuntime::state_views(int64_t param) const {
   TORCH_CHECK_INDEX(param >= 0 && param < static_cast<int64_t>(params_.size()),
                     "SwapRuntime: no param ", param);
   std::vector<std::pair<std::string, at::Tensor>> views;
-  views.emplace_back("step", host_slabs_[kStepTableRegion]
-                                 .narrow(0, param * kStepBytes, kStepBytes)
-                                 .view(at::kFloat)
-                                 .view(std::vector<int64_t>{}));
+  views.emplace_back("step", own_storage_view(host_slabs_[kStepTableRegion], param * kStepBytes, {}, at::kFloat));
   for (int key = 0; key < kStateKeyCount; ++key) {
     at::Tensor view = state_view(param, key);
     if (view.defined()) views.emplace_back(kStateNames[key], std::move(view));

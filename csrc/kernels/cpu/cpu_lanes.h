@@ -53,6 +53,18 @@ void load_pair(const T* source, FloatVec& low, FloatVec& high) {
   }
 }
 
+// master_or_written_param (adam_math.h) on two vectors of lanes.
+template <typename param_t>
+void adopt_written_param(FloatVec (&master)[2], const param_t* param) {
+  if constexpr (!std::is_same_v<param_t, float>) {
+    FloatVec stored[2], rounded[2];
+    load_pair(param, stored[0], stored[1]);
+    std::tie(rounded[0], rounded[1]) =
+        at::vec::convert_to_float<param_t>(at::vec::convert_from_float<param_t>(master[0], master[1]));
+    for (int k = 0; k < 2; ++k) master[k] = FloatVec::blendv(master[k], stored[k], rounded[k] != stored[k]);
+  }
+}
+
 template <typename T>
 void store_pair(T* destination, const FloatVec& low, const FloatVec& high) {
   if constexpr (std::is_same_v<T, float>) {
@@ -87,6 +99,7 @@ __attribute__((flatten)) void update_chunk(const CpuParamWork& w, int64_t begin,
     FloatVec p[2], g[2], m[2], v[2], v_max[2] = {FloatVec(0.f), FloatVec(0.f)};
     if constexpr (kMaster) {
       load_pair(master + i, p[0], p[1]);
+      adopt_written_param(p, param + i);
     } else {
       load_pair(param + i, p[0], p[1]);
     }
@@ -108,7 +121,7 @@ __attribute__((flatten)) void update_chunk(const CpuParamWork& w, int64_t begin,
   // The tail; on CPUs without AVX2 the whole chunk, since the generic
   // Vectorized<float> cannot keep the fused multiply-add's single rounding.
   for (; i < end; ++i) {
-    float p = kMaster ? master[i] : static_cast<float>(param[i]);
+    float p = kMaster ? master_or_written_param(master[i], param[i]) : static_cast<float>(param[i]);
     float g = static_cast<float>(grad[i]);
     if (unscale) g = g / scale;
     float m = static_cast<float>(exp_avg[i]);

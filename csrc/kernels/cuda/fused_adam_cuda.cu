@@ -80,7 +80,7 @@ __device__ __forceinline__ void update_one(const ParamDesc& d, int64_t i,
   auto* exp_avg = static_cast<state_t*>(d.exp_avg);
   auto* exp_avg_sq = static_cast<state_t*>(d.exp_avg_sq);
   auto* max_exp_avg_sq = static_cast<state_t*>(d.max_exp_avg_sq);
-  float p = d.master ? d.master[i] : static_cast<float>(param[i]);
+  float p = d.master ? master_or_written_param(d.master[i], param[i]) : static_cast<float>(param[i]);
   float g = static_cast<float>(static_cast<const param_t*>(d.grad)[i]);
   if (grad_scale) g = g / *grad_scale;
   float m = static_cast<float>(exp_avg[i]);
@@ -120,7 +120,7 @@ __device__ __forceinline__ void update_vector(const ParamDesc& d, int64_t i,
   const float scale = grad_scale ? *grad_scale : 1.f;
 #pragma unroll
   for (int k = 0; k < ILP; ++k) {
-    float p = d.master ? master.value[k] : static_cast<float>(param.value[k]);
+    float p = d.master ? master_or_written_param(master.value[k], param.value[k]) : static_cast<float>(param.value[k]);
     float g = static_cast<float>(grad.value[k]);
     if (grad_scale) g = g / scale;
     float m = static_cast<float>(exp_avg.value[k]);
