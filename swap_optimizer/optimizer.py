@@ -403,6 +403,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102  (torch.optim API)
+        self._refuse_inside_step("step")
         self._refuse_if_torn("step")  # before the closure runs or anything is written
         if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("SwapOptimizer.step() cannot be captured in a CUDA graph: it copies the state "
@@ -434,10 +435,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             if grad is not None and not self._shown[i]:  # its first step: the state appears, as torch makes it
                 self._shown[i] = True
                 state[p] = dict(self._entries[i])
+        self._stepping = True
         try:
             self._runtime.step([_local(p) for p in params], grads, group_args, getattr(self, "grad_scale", None),
                                getattr(self, "found_inf", None))
         finally:  # a stopped step leaves each param and its master consistent too
+            self._stepping = False
             self._note_param_versions()
         return loss
 
@@ -445,6 +448,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:  # noqa: D102  (torch.optim API)
         if self.__dict__.get("_runtime") is None:  # called by Optimizer.__init__
             return super().add_param_group(param_group)
+        self._refuse_inside_step("add_param_group")
         self._follow_param_groups()
         params = param_group["params"]
         # A generator can be read once: keep the list, as torch's add_param_group does.
@@ -474,6 +478,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("SwapOptimizer.load_state_dict: expected an optimizer state dict with 'state' and "
                              "'param_groups'")
+        self._refuse_inside_step("load_state_dict")
         self._follow_param_groups()
         state_dict = state_dict.copy()  # as torch: hooks and loading never change the caller's dict
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -530,6 +535,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._note_param_versions()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _refuse_inside_step(self, what: str) -> None:
+        """A signal handler runs inside step() (at a param boundary): reading
+        `state` or `state_dict()` there is served; changing the store is not."""
+        if self.__dict__.get("_stepping"):
+            raise RuntimeError(f"SwapOptimizer.{what}() was called while step() runs (from a signal handler?): "
+                               "the step would go on over the change. Read state or state_dict() there (they are "
+                               f"served, each param wholly old or new), and call {what}() after step() returns")
 
     def _refuse_if_torn(self, what: str) -> None:
         """Refuses `what` while a failed step has left a split param partly updated

@@ -5,6 +5,15 @@
 
 namespace swap_optimizer::runtime {
 
+void stage_out_step_table(Transport& transport, BatchWork& work) {
+  transport.record(Queue::kCompute, kUpdatesDoneMarker);
+  transport.wait(Queue::kDeviceToHost, kUpdatesDoneMarker);
+  // After a failure before any update, nothing else orders it after its copy in.
+  transport.wait(Queue::kDeviceToHost, kStepTableInMarker);
+  work.stage_out_step_table();
+  transport.record(Queue::kDeviceToHost, kStepTableOutMarker);
+}
+
 void run_pipeline(Transport& transport, BatchWork& work, const std::vector<int>& slot_of_batch) {
   const int64_t batches = static_cast<int64_t>(slot_of_batch.size());
   if (batches == 0) return;
@@ -45,14 +54,6 @@ void run_pipeline(Transport& transport, BatchWork& work, const std::vector<int>&
   };
 
   bool step_table_in = false;  // its copy out would otherwise write garbage to the host
-  auto stage_out_step_table = [&] {
-    transport.record(Queue::kCompute, kUpdatesDoneMarker);
-    transport.wait(Queue::kDeviceToHost, kUpdatesDoneMarker);
-    // After a failure before any update, nothing else orders it after its copy in.
-    transport.wait(Queue::kDeviceToHost, kStepTableInMarker);
-    work.stage_out_step_table();
-    transport.record(Queue::kDeviceToHost, kStepTableOutMarker);
-  };
 
   try {
     transport.begin_step();
@@ -78,7 +79,7 @@ void run_pipeline(Transport& transport, BatchWork& work, const std::vector<int>&
       updated_not_out = -1;
       stage_ready(b);
     }
-    stage_out_step_table();
+    stage_out_step_table(transport, work);
     for (const auto& [slot, batch] : last_user_of_slot) {
       transport.wait(Queue::kCompute, slot_marker(Marker::kUnstaged, slot));
     }
@@ -92,7 +93,7 @@ void run_pipeline(Transport& transport, BatchWork& work, const std::vector<int>&
         transport.record(Queue::kCompute, slot_marker(Marker::kUpdated, slot_of_batch[updated_not_out]));
         stage_out(updated_not_out);
       }
-      if (step_table_in) stage_out_step_table();
+      if (step_table_in) stage_out_step_table(transport, work);
     } catch (...) {
       // Nothing more can be done here; the first error is the one reported.
     }

@@ -62,6 +62,10 @@ class BatchWork {
   virtual void between_batches(int64_t next_batch) = 0; // may throw to stop the step (interrupt)
 };
 
+// Enqueues the step table's copy back to the host after every update enqueued
+// so far (and after the table's own copy in).
+void stage_out_step_table(Transport& transport, BatchWork& work);
+
 // Runs one step over batches 0..n-1, batch b in arena slot slot_of_batch[b].
 // The step table (every param's step count) is copied in before the first batch
 // and out after the last update. A slot is reused only after the copy out of its

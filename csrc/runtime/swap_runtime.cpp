@@ -493,6 +493,17 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
   const c10::DeviceGuard guard(device_);  // a no-op for CPU
   allocate_arenas();
   Step work(*this, std::move(ready), group_args, grad_scale, found_inf, check_interrupt);
+  struct InStep {  // lets synchronize() on this thread (a signal handler) serve without the lock
+    SwapRuntime& runtime;
+    InStep(SwapRuntime& r, Step& w) : runtime(r) {
+      runtime.current_step_ = &w;
+      runtime.stepping_thread_ = std::this_thread::get_id();
+    }
+    ~InStep() {
+      runtime.stepping_thread_ = std::thread::id();
+      runtime.current_step_ = nullptr;
+    }
+  } in_step(*this, work);
   try {
     run_pipeline(*transport_, work, slot_of_batch_);
   } catch (...) {
@@ -515,6 +526,11 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
 }
 
 void SwapRuntime::synchronize() {
+  if (stepping_thread_ == std::this_thread::get_id()) {
+    stage_out_step_table(*transport_, *current_step_);
+    transport_->drain();
+    return;
+  }
   const std::lock_guard<std::mutex> lock(step_mutex_);
   if (!step_pending_) return;
   transport_->host_wait(kStepEndMarker);

@@ -9,7 +9,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <functional>
+#include <thread>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -104,7 +106,11 @@ class SwapRuntime {
             const std::optional<at::Tensor>& found_inf,
             const std::function<void()>& check_interrupt);
 
-  // Blocks until the host store holds the last step's results.
+  // Blocks until the host store holds the last step's results. Called on the
+  // thread that is inside step() (a signal handler run by check_interrupt,
+  // which runs only where no param is cut), it instead drains the queues and
+  // copies the step table out, so the store holds each param wholly old or
+  // wholly new, and returns without waiting for the step's lock.
   void synchronize();
 
   // Params (indices) left partly updated by a failed step, and forgetting them
@@ -141,6 +147,8 @@ class SwapRuntime {
   std::vector<at::Tensor> arenas_;
   at::Tensor device_steps_;            // the step table on the device, during a step
   std::vector<int64_t> torn_;          // params a failed step left partly updated
+  std::atomic<std::thread::id> stepping_thread_{};  // the thread inside step(), if any
+  Step* current_step_ = nullptr;                     // its work, for synchronize() from that thread
   int arena_count_ = 0;
   std::vector<int> slot_of_batch_;  // arena slot of each batch, in pipeline order
   std::unique_ptr<Transport> transport_;
