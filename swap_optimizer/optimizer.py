@@ -293,6 +293,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                           RuntimeWarning, stacklevel=3)
         views = [runtime.state_views(i) for i in range(len(params))]
         self._write_states(params, views, dict(updates))
+        runtime.order_writes()
         self._views = views  # this rank's store views, param by param
         self._entries = [{key: value if key == "step" else _like_param(value, p) for key, value in view.items()}
                          for p, view in zip(params, views)]
@@ -345,6 +346,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             for i in followed:  # elementwise, as the kernel takes a write through .data
                 master, local = self._views[i]["master_param"], _local(params[i]).to(self._views[i]["master_param"].device)
                 master.copy_(torch.where(master.to(local.dtype) == local, master, local.float()))
+        if edits or followed:
+            self._runtime.order_writes()
 
     def _checked_state(self, param: torch.Tensor, entry: Any, amsgrad: bool, where: str) -> dict:
         """Validates one param's saved state; returns {key: value} to write."""
@@ -524,6 +527,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._runtime.synchronize()
         groups[:] = new_groups
         self._write_states(params, self._views, values)
+        self._runtime.order_writes()
         self._runtime.clear_torn()  # every param's state is rewritten, the torn ones' included
         state = self.__dict__["_state"]
         self._shown = [i in values for i in range(len(params))]

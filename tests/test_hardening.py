@@ -462,3 +462,24 @@ def test_a_signal_handler_saves_a_consistent_checkpoint_during_a_step(stop):
     code = SIGNAL_CASE.format(tests=os.path.dirname(os.path.abspath(__file__)), stop=stop)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "signal case passed" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+# ------------------------------------------------------------ item 15
+@requires_cuda
+def test_writes_on_one_stream_then_a_step_on_another():
+    """Resident states written at construction and by load_state_dict on one
+    stream are ordered before a step on another stream."""
+    results = []
+    for streams in ((None, None), (torch.cuda.Stream(), torch.cuda.Stream())):
+        model = build_model("mlp", "cuda")
+        donor = build_model("mlp", "cuda", seed=5)
+        plain = plain_optimizer("adamw", donor.parameters())
+        train("mlp", donor, plain, 2, "cuda")
+        with torch.cuda.stream(streams[0] or torch.cuda.current_stream()):
+            optimizer = swap_optimizer("adamw", model.parameters(), state_keys=("exp_avg",), swap_times=2)
+            optimizer.load_state_dict(round_trip(plain.state_dict()))
+        with torch.cuda.stream(streams[1] or torch.cuda.current_stream()):
+            train("mlp", model, optimizer, 3, "cuda")
+        torch.cuda.synchronize()
+        results.append(params_of(model))
+    assert all(torch.equal(a, b) for a, b in zip(*results))

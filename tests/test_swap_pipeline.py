@@ -17,15 +17,19 @@ from swap_training import (arena_bytes, assert_train_alike, build_model, params_
 TRAIN_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_arenas", [2, 3, 4])
-def test_random_copy_delays_change_nothing(num_arenas):
-    delayed_model, model = build_model("mlp", "cpu"), build_model("mlp", "cpu")
+def test_random_copy_delays_change_nothing(num_arenas, device):
+    """Every copy first waits a random time on its queue (a worker's sleep on the
+    host backend; a host function on the CUDA copy stream): any missing wait
+    would change bits."""
+    delayed_model, model = build_model("mlp", device), build_model("mlp", device)
     delayed = swap_optimizer("adamw", delayed_model.parameters(), swap_times=8, num_arenas=num_arenas, min_numel=0)
     steady = swap_optimizer("adamw", model.parameters(), swap_times=8, num_arenas=num_arenas, min_numel=0)
     delayed._set_test_hooks(copy_delay_us=300, seed=num_arenas)
     assert delayed.memory_stats()["batches"] == 8
-    losses = train("mlp", delayed_model, delayed, 200, "cpu")
-    assert torch.equal(losses, train("mlp", model, steady, 200, "cpu"))
+    losses = train("mlp", delayed_model, delayed, 200, device)
+    assert torch.equal(losses, train("mlp", model, steady, 200, device))
     for p, q in zip(delayed_model.parameters(), model.parameters()):
         assert torch.equal(p, q)
     assert all(torch.equal(a, b) for a, b in zip(state_tensors(delayed, delayed_model).values(),

@@ -139,6 +139,8 @@ void bind_runtime(py::module& module) {
       .def("batch_plan", [](const SwapRuntime& self) { return batch_plan(self.plan()); },
            "The batches in pipeline order: param indices, pieces (param, element offset, count), the bytes "
            "each moves each way and its arena bytes.")
+      .def("order_writes", &SwapRuntime::order_writes, py::call_guard<py::gil_scoped_release>(),
+           "Orders writes made to the stores on the current stream before the next step, on any stream.")
       .def("torn_params", &SwapRuntime::torn_params, py::call_guard<py::gil_scoped_release>(),
            "Params a failed step left partly updated; step() refuses to run while there are any.")
       .def(

@@ -50,9 +50,7 @@ class HostTransport final : public Transport {
   HostTransport(int slots, bool separate_copy_queues);
   ~HostTransport() override;
 
-  // Test hook: each copy first sleeps a random 0..max_microseconds, to expose
-  // missing waits. 0 turns it off.
-  void set_copy_delay(int64_t max_microseconds, uint64_t seed);
+  void set_copy_delay(int64_t max_microseconds, uint64_t seed) override;
 
   void begin_step() override {}
   void copy_to_device(const StridedCopy& copy) override;

@@ -48,6 +48,9 @@ class Transport {
   virtual void wait(Queue queue, int marker) = 0;
   virtual void host_wait(int marker) = 0;  // blocks the calling thread
   virtual void drain() noexcept = 0;       // blocks until everything enqueued has run
+  // Test hook: each copy first waits a random 0..max_microseconds on its queue,
+  // to expose missing waits. 0 turns it off.
+  virtual void set_copy_delay(int64_t max_microseconds, uint64_t seed) = 0;
 };
 
 // The per-batch work of one step, supplied by the runtime.

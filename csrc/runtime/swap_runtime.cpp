@@ -2,7 +2,6 @@
 
 #include "../kernels/op_registry.h"
 #include "host_memory.h"
-#include "host_transport.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -343,6 +342,7 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
 }
 
 SwapRuntime::~SwapRuntime() {
+  const c10::DeviceGuard guard(device_);  // a no-op for CPU
   if (transport_) transport_->drain();
 }
 
@@ -525,6 +525,16 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
   stats_.h2d_bytes = stats_.d2h_bytes = plan_.moved_bytes;
 }
 
+void SwapRuntime::order_writes() {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  const c10::DeviceGuard guard(device_);
+  // The next step's compute stream waits for the step-end marker before
+  // anything, and synchronize() waits for it: it must follow the last step too.
+  transport_->begin_step();
+  transport_->wait(Queue::kCompute, kStepEndMarker);
+  transport_->record(Queue::kCompute, kStepEndMarker);
+}
+
 void SwapRuntime::synchronize() {
   if (stepping_thread_ == std::this_thread::get_id()) {
     stage_out_step_table(*transport_, *current_step_);
@@ -552,9 +562,7 @@ MemoryStats SwapRuntime::memory_stats() const {
 
 void SwapRuntime::set_test_hooks(const TestHooks& hooks) {
   hooks_ = hooks;
-  if (auto* host = dynamic_cast<HostTransport*>(transport_.get())) {
-    host->set_copy_delay(hooks.copy_delay_us, hooks.seed);
-  }
+  transport_->set_copy_delay(hooks.copy_delay_us, hooks.seed);
 }
 
 at::Tensor SwapRuntime::state_view(int64_t param, int key) const {

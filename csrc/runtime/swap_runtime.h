@@ -113,6 +113,11 @@ class SwapRuntime {
   // wholly new, and returns without waiting for the step's lock.
   void synchronize();
 
+  // Orders writes made to the stores on the current stream (the resident
+  // states written at construction or by load_state_dict) before the next
+  // step, whatever stream that step runs on.
+  void order_writes();
+
   // Params (indices) left partly updated by a failed step, and forgetting them
   // once their state has been rewritten.
   std::vector<int64_t> torn_params() const;

@@ -6,6 +6,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <chrono>
+#include <random>
+#include <thread>
 #include <vector>
 
 namespace swap_optimizer::runtime {
@@ -46,6 +49,12 @@ class CudaTransport final : public Transport {
     started_ = true;
   }
 
+  void set_copy_delay(int64_t max_microseconds, uint64_t seed) override {
+    drain();
+    max_delay_us_ = max_microseconds;
+    random_.seed(seed);
+  }
+
   void copy_to_device(const StridedCopy& copy) override { enqueue(copy, cudaMemcpyHostToDevice, to_device_); }
 
   void copy_to_host(const StridedCopy& copy) override { enqueue(copy, cudaMemcpyDeviceToHost, to_host_); }
@@ -69,7 +78,14 @@ class CudaTransport final : public Transport {
  private:
   // One call for a plain or strided copy; a row at a time only where a pitch
   // is beyond what cudaMemcpy2DAsync accepts (memPitch, about 2 GiB).
-  void enqueue(const StridedCopy& copy, cudaMemcpyKind kind, cudaStream_t stream) const {
+  void enqueue(const StridedCopy& copy, cudaMemcpyKind kind, cudaStream_t stream) {
+    if (max_delay_us_ > 0) {  // test hook: the stream sleeps first, as the host backend's workers do
+      auto* delay = new int64_t(std::uniform_int_distribution<int64_t>(0, max_delay_us_)(random_));
+      C10_CUDA_CHECK(cudaLaunchHostFunc(stream, [](void* us) {
+        std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<int64_t*>(us)));
+        delete static_cast<int64_t*>(us);
+      }, delay));
+    }
     if (copy.rows == 1) {
       C10_CUDA_CHECK(cudaMemcpyAsync(copy.dst, copy.src, copy.width, kind, stream));
     } else if (copy.dst_pitch <= max_pitch_ && copy.src_pitch <= max_pitch_) {
@@ -106,6 +122,8 @@ class CudaTransport final : public Transport {
 
   c10::DeviceIndex device_;
   int64_t max_pitch_ = 0;
+  int64_t max_delay_us_ = 0;
+  std::mt19937_64 random_;
   bool started_ = false;
   cudaStream_t to_device_ = nullptr;
   cudaStream_t to_host_ = nullptr;

@@ -1,0 +1,32 @@
+"""scripts/gpu_check.sh is the one run a lent GPU gets, so what it must do is
+checked here, where no GPU is: it imports the installed build (python -P,
+never the source folder, which has no extension), requires the CUDA kernels,
+selects every GPU test (the pinning-failure one included), fits in 6 minutes
+with its own time limits, and has no racecheck (the copy-delay test replaces it)."""
+
+import pathlib
+import re
+
+SCRIPT = (pathlib.Path(__file__).parent.parent / "scripts" / "gpu_check.sh").read_text()
+
+
+def test_every_python_run_imports_the_installed_build():
+    runs = [line for line in SCRIPT.splitlines() if re.search(r'"\$PY" ', line) and "pip install" not in line]
+    assert runs
+    for line in runs:
+        assert re.search(r'"\$PY" (-P|- "\$OUT")', line), f"runs without -P: {line.strip()}"
+
+
+def test_it_requires_the_cuda_kernels_and_selects_every_gpu_test():
+    assert "export SWAP_OPTIMIZER_REQUIRE_CUDA_BUILD=1" in SCRIPT
+    selection = re.search(r'-k "([^"]+)"', SCRIPT).group(1)
+    for name in ("test_pinning_failure_falls_back_to_pageable_memory_with_one_warning",
+                 "test_cuda_kernels_compiled_when_torch_is_a_cuda_build",
+                 "test_random_copy_delays_change_nothing[cuda-2]", "test_step_inside_cuda_graph_capture_is_refused_at_once"):
+        assert any(word in name for word in re.split(r"\s+or\s+", selection)), name
+
+
+def test_its_stages_fit_in_six_minutes_and_racecheck_is_gone():
+    limits = [int(limit) for limit in re.findall(r'^stage (?:"[^"]+"|\S+) (\d+) ', SCRIPT, flags=re.M)]
+    assert len(limits) >= 5 and sum(limits) <= 350, limits
+    assert "racecheck --" not in SCRIPT and "--tool racecheck" not in SCRIPT
