@@ -460,7 +460,8 @@ def test_a_signal_handler_saves_a_consistent_checkpoint_during_a_step(stop):
     import subprocess
     import sys
     code = SIGNAL_CASE.format(tests=os.path.dirname(os.path.abspath(__file__)), stop=stop)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # -P: the installed package, not a checkout's source folder in the current directory.
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "signal case passed" in out.stdout, out.stdout + out.stderr[-3000:]
 
 
