@@ -37,14 +37,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 "$PY" -P -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 # Offline: no dependency resolution, build against the torch that is there.
-stage build 120 "$OUT/build.log" "$PY" -m pip install -v --no-build-isolation --no-deps --no-index . \
+stage build 140 "$OUT/build.log" "$PY" -m pip install -v --no-build-isolation --no-deps --no-index . \
   || { tail -30 "$OUT/build.log"; exit 1; }
 "$PY" -P -c "import swap_optimizer as so; assert so.built_with_cuda(), 'no CUDA kernels in this build'; print('installed build:', so._C.__file__)" \
   || { echo "the installed build has no CUDA kernels"; exit 1; }
 
 # The suite's CUDA variants (ids ending in cuda), the GPU-only tests and the
 # pinning-failure test; -P so the installed package is imported.
-stage gpu-tests 90 "$OUT/checks.log" "$PY" -P -m pytest -q -p no:cacheprovider tests -k "cuda or gpu or pinning or build" -rs
+stage gpu-tests 100 "$OUT/checks.log" "$PY" -P -m pytest -q -p no:cacheprovider tests -k "cuda or gpu or pinning or build" -rs
 tail -3 "$OUT/checks.log"
 
 # compute-sanitizer memcheck on a short run: both pipelines (one and two copy
@@ -70,16 +70,16 @@ for arenas, state_keys in ((2, None), (3, None), (3, ("exp_avg",))):  # the last
 torch.cuda.synchronize()
 print("sanitizer run done")
 PYEOF
-stage "compute-sanitizer memcheck" 35 "$OUT/checks.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
+stage "compute-sanitizer memcheck" 30 "$OUT/checks.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
   "$PY" -P "$sanitizer_run"
 
-stage kernel-bench 30 "$OUT/checks.log" "$PY" -P benchmarks/kernel_bench.py --device cuda --json "$OUT/kernel_bench.json"
+stage kernel-bench 20 "$OUT/checks.log" "$PY" -P benchmarks/kernel_bench.py --device cuda --json "$OUT/kernel_bench.json"
 
 # 1.3b: 5.3 GB of bf16 state, 15.8 GB with fp32 masters and states, moved each
 # way every step; the model is built on the GPU, host stores pinned afresh for
 # each mode.
 BENCH=(--device cuda --preset 1.3b --num-arenas 2,3 --warmup 1 --repeats 5)
-stage bench-bf16 75 "$OUT/bench.log" "$PY" -P -m swap_optimizer.bench "${BENCH[@]}" --dtype bf16 --swap-times 8 \
+stage bench-bf16 55 "$OUT/bench.log" "$PY" -P -m swap_optimizer.bench "${BENCH[@]}" --dtype bf16 --swap-times 8 \
   --json "$OUT/bench_bf16.json" --plot "$OUT/bench_bf16.png"
 
 "$PY" - "$OUT" <<'PYEOF' | tee "$OUT/summary.txt"

@@ -7,6 +7,7 @@ import copy
 import functools
 import inspect
 import warnings
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -70,10 +71,7 @@ def _on_the_optimizer_itself(method):
     attributes would be stale copies, and writing them would split the state."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        itself = self._itself
-        if itself is not self:
-            return getattr(itself, method.__name__)(*args, **kwargs)
-        return method(self, *args, **kwargs)
+        return method(self._itself, *args, **kwargs)  # not through getattr: step hooks ran once already
     return run
 
 
@@ -81,6 +79,20 @@ def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     """[first, last + 1) bytes a tensor's elements occupy."""
     extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
     return tensor.data_ptr(), tensor.data_ptr() + extent * tensor.element_size()
+
+
+def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors whose byte spans overlap share an element: column
+    slices of one buffer interleave without sharing any."""
+    (a_begin, a_end), (b_begin, b_end) = _byte_span(a), _byte_span(b)
+    size = a.element_size()
+    start, count = min(a_begin, b_begin), (max(a_end, b_end) - min(a_begin, b_begin)) // size
+    if b.element_size() != size or (a_begin - b_begin) % size or count > 1 << 24:
+        return True  # not comparable element by element (or too large to check): take the spans' word
+    taken = torch.zeros(count, dtype=torch.bool)
+    indices = torch.arange(count)
+    taken[indices.as_strided(a.shape, a.stride(), (a_begin - start) // size).flatten()] = True
+    return bool(taken[indices.as_strided(b.shape, b.stride(), (b_begin - start) // size).flatten()].any())
 
 
 def _check_distinct(params: list[torch.Tensor]) -> None:
@@ -93,15 +105,18 @@ def _check_distinct(params: list[torch.Tensor]) -> None:
             raise ValueError(f"SwapOptimizer: param {index} is the same tensor as param {first_index[id(p)]} "
                              "(a tied weight listed twice?); list each param once")
         first_index[id(p)] = index
-    spans = sorted((*_byte_span(_local(p)), index) for index, p in enumerate(params) if _local(p).numel() > 0)
-    widest = None  # (end, index) of the span reaching furthest so far
+    locals_ = [_local(p) for p in params]
+    spans = sorted((*_byte_span(t), index) for index, t in enumerate(locals_) if t.numel() > 0 and not t.is_meta)
+    open_spans = []  # (end, index) of earlier spans that may still overlap
     for begin, end, index in spans:
-        if widest is not None and begin < widest[0]:
-            a, b = sorted((widest[1], index))
-            raise ValueError(f"SwapOptimizer: params {a} and {b} share memory (their elements overlap), so one "
-                             "update would overwrite the other; give each its own tensor, or list a tied weight once")
-        if widest is None or end > widest[0]:
-            widest = (end, index)
+        open_spans = [(e, i) for e, i in open_spans if e > begin]
+        for _, other in open_spans:
+            if _elements_overlap(locals_[other], locals_[index]):
+                a, b = sorted((other, index))
+                raise ValueError(f"SwapOptimizer: params {a} and {b} share memory (their elements overlap), so one "
+                                 "update would overwrite the other; give each its own tensor, or list a tied weight "
+                                 "once")
+        open_spans.append((end, index))
 
 
 def _is_dtensor(tensor: Any) -> bool:
@@ -167,13 +182,46 @@ class SwapOptimizer(torch.optim.Optimizer):
     ``state_dict()`` has the wrapped optimizer's format.
     """
 
-    # Whether GradScaler hands grad_scale / found_inf to step() instead of syncing
-    # on them: set per instance from config.unscale_in_step (see __init__).
-    _step_supports_amp_scaling = False
+    @property
+    def _itself(self) -> "SwapOptimizer":
+        """This optimizer, also seen from a framework wrapper that subclasses its
+        class: copied, the weak reference leads here; forwarded, the
+        AttributeError sends the wrapper's __getattr__ here. (Weak: a strong
+        self-reference would keep the store alive until a full GC.)"""
+        ref = self.__dict__.get("_itself_ref")
+        if ref is None:
+            raise AttributeError("_itself")
+        return ref()
+
+    # GradScaler reads _step_supports_amp_scaling and sets grad_scale / found_inf
+    # on whatever object it was given (a framework wrapper, say): all three live
+    # on the optimizer itself.
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether GradScaler hands grad_scale / found_inf to step() instead of
+        syncing on them (config.unscale_in_step; see __init__)."""
+        return self._itself.__dict__.get("_unscale_in_step", False)
+
+    def _amp_get(self, name: str):
+        try:
+            return self._itself.__dict__["_amp_" + name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def _amp_set(self, name: str, value) -> None:
+        self._itself.__dict__["_amp_" + name] = value
+
+    def _amp_del(self, name: str) -> None:
+        self._itself.__dict__.pop("_amp_" + name, None)
+
+    grad_scale = property(lambda self: self._amp_get("grad_scale"), lambda self, v: self._amp_set("grad_scale", v),
+                          lambda self: self._amp_del("grad_scale"))
+    found_inf = property(lambda self: self._amp_get("found_inf"), lambda self, v: self._amp_set("found_inf", v),
+                         lambda self: self._amp_del("found_inf"))
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[SwapOptimizerConfig] = None,
                  **fields: Any) -> None:
-        self.__dict__["_itself"] = self  # what a forwarding wrapper finds as _itself (see _on_the_optimizer_itself)
+        self.__dict__["_itself_ref"] = weakref.ref(self)
         self.config = SwapOptimizerConfig.from_fields(config, fields)
         _check_optimizer(optimizer)
         for index, group in enumerate(optimizer.param_groups):
@@ -184,8 +232,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self._runtime = None
         unscale = self.config.unscale_in_step
-        self._step_supports_amp_scaling = (any(bool(g.get("fused")) for g in optimizer.param_groups)
-                                           if unscale is None else unscale)
+        self.__dict__["_unscale_in_step"] = (any(bool(g.get("fused")) for g in optimizer.param_groups)
+                                             if unscale is None else unscale)
         # Sets up hooks and step profiling as for any optimizer; add_param_group
         # below defers to the base class until the runtime exists.
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -195,8 +243,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._build_runtime(existing, "the wrapped optimizer's state")
         # Frameworks that hold the inner optimizer save and load through it: its
         # state dicts are ours (the store, waited for and validated).
-        optimizer.state_dict = self.state_dict
-        optimizer.load_state_dict = self.load_state_dict
+        # (Through a weak reference: the inner optimizer must not keep this one alive.)
+        itself = weakref.ref(self)
+        optimizer.state_dict = lambda: itself().state_dict()
+        optimizer.load_state_dict = lambda state_dict: itself().load_state_dict(state_dict)
 
     # ----------------------------------------------------------------- state
     @property
@@ -220,6 +270,8 @@ class SwapOptimizer(torch.optim.Optimizer):
     def param_groups(self) -> list[dict]:  # noqa: D102  (torch.optim attribute)
         if self._itself is not self:  # through a forwarding wrapper
             return self._itself.param_groups
+        if self.__dict__.get("_runtime") is not None:  # the inner optimizer's list, even if reassigned there
+            return self.optimizer.param_groups
         return self.__dict__["_param_groups"]
 
     @param_groups.setter
@@ -324,8 +376,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         edits, group_of_param = {}, None  # the latter only once something was edited
         for i, p in enumerate(params):
             entry, ours = state.get(p), self._entries[i]
-            if entry is None and not self._shown[i]:
-                continue  # no state yet, as in torch
+            if not entry and not self._shown[i]:
+                continue  # no state yet, as in torch (an empty entry: a read of the defaultdict)
             if entry is not None and len(entry) == len(ours) and all(entry.get(k) is v for k, v in ours.items()):
                 continue
             group_of_param = group_of_param or self._group_of_param()
@@ -372,7 +424,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             if value.shape != param.shape:
                 raise ValueError(f"{where}: '{key}' has shape {tuple(value.shape)} but the param has shape "
                                  f"{tuple(param.shape)}; the state dict belongs to another model")
-            values[key] = value
+            values[key] = _local_part(value, param)  # here, so a failing redistribution changes nothing
         return values
 
     def _write_states(self, params: list[torch.Tensor], views: list[dict], values: dict[int, dict],
@@ -390,7 +442,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 for key in STATE_KEYS:
                     if key not in view:
                         continue
-                    value = _local_part(saved[key], p) if key in saved else None
+                    value = saved.get(key)
                     if key == "master_param" and (value is None or value.dtype != torch.float32
                                                   or not torch.equal(value.to(p.dtype), _local(p).to(value.device))):
                         value = _local(p)
@@ -416,35 +468,38 @@ class SwapOptimizer(torch.optim.Optimizer):
         if closure is not None:  # as torch.optim.Adam: evaluated once, before the update
             with torch.enable_grad():
                 loss = closure()
-        self._follow_param_groups()
-        groups = self.param_groups
-        group_args = []
-        for index, group in enumerate(groups):
-            _check_group_flags(group, index)
-            beta1, beta2 = group["betas"]
-            decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
-            group_args.append((float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                               float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]),
-                               bool(decoupled)))
-        params = [p for g in groups for p in g["params"]]
-        data_pointers = [_local(p).data_ptr() for p in params]
-        if data_pointers != self._data_pointers:  # .data replaced since the last step: aliasing is possible again
-            _check_distinct(params)
-            self._data_pointers = data_pointers
-        self._sync_outside_changes(params)
-        grads = [None if p.grad is None else _local(p.grad) for p in params]
-        state = self.__dict__["_state"]
-        for i, (p, grad) in enumerate(zip(params, grads)):
-            if grad is not None and not self._shown[i]:  # its first step: the state appears, as torch makes it
-                self._shown[i] = True
-                state[p] = dict(self._entries[i])
-        self._stepping = True
+        self._stepping = True  # from here a signal handler may read, not change, the store
+        stepped = False
         try:
+            self._follow_param_groups()
+            groups = self.param_groups
+            group_args = []
+            for index, group in enumerate(groups):
+                _check_group_flags(group, index)
+                beta1, beta2 = group["betas"]
+                decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
+                group_args.append((float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                                   float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]),
+                                   bool(decoupled)))
+            params = [p for g in groups for p in g["params"]]
+            data_pointers = [_local(p).data_ptr() for p in params]
+            if data_pointers != self._data_pointers:  # .data replaced since the last step: aliasing is possible again
+                _check_distinct(params)
+                self._data_pointers = data_pointers
+            self._sync_outside_changes(params)
+            grads = [None if p.grad is None else _local(p.grad) for p in params]
+            state = self.__dict__["_state"]
+            for i, (p, grad) in enumerate(zip(params, grads)):
+                if grad is not None and not self._shown[i]:  # its first step: the state appears, as torch makes it
+                    self._shown[i] = True
+                    state[p] = dict(self._entries[i])
+            stepped = True
             self._runtime.step([_local(p) for p in params], grads, group_args, getattr(self, "grad_scale", None),
                                getattr(self, "found_inf", None))
-        finally:  # a stopped step leaves each param and its master consistent too
+        finally:
             self._stepping = False
-            self._note_param_versions()
+            if stepped:  # a stopped step leaves each param and its master consistent too
+                self._note_param_versions()
         return loss
 
     @_on_the_optimizer_itself
@@ -567,7 +622,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     @_on_the_optimizer_itself
     def _set_test_hooks(self, copy_delay_us: int = 0, seed: int = 0, fault: Optional[str] = None,
                         fault_batch: int = -1, simulated_free_bytes: int = -1) -> None:
-        """Tests only: random copy delays (host backend), one injected failure,
+        """Tests only: random copy delays (both backends), one injected failure,
         and arenas allocated as if the device had simulated_free_bytes free."""
         self._runtime.set_test_hooks(copy_delay_us=copy_delay_us, seed=seed, fault=fault, fault_batch=fault_batch,
                                      simulated_free_bytes=simulated_free_bytes)

@@ -19,11 +19,15 @@ def test_every_python_run_imports_the_installed_build():
 
 def test_it_requires_the_cuda_kernels_and_selects_every_gpu_test():
     assert "export SWAP_OPTIMIZER_REQUIRE_CUDA_BUILD=1" in SCRIPT
-    selection = re.search(r'-k "([^"]+)"', SCRIPT).group(1)
-    for name in ("test_pinning_failure_falls_back_to_pageable_memory_with_one_warning",
-                 "test_cuda_kernels_compiled_when_torch_is_a_cuda_build",
-                 "test_random_copy_delays_change_nothing[cuda-2]", "test_step_inside_cuda_graph_capture_is_refused_at_once"):
-        assert any(word in name for word in re.split(r"\s+or\s+", selection)), name
+    words = re.split(r"\s+or\s+", re.search(r'-k "([^"]+)"', SCRIPT).group(1))
+    # Every test that needs a GPU (marked requires_cuda, or a cuda-only skip), and the build check.
+    gpu_only = []
+    for source in pathlib.Path(__file__).parent.glob("test_*.py"):
+        gpu_only += re.findall(r"@requires_cuda\n(?:@.*\n)*def (\w+)", source.read_text())
+    assert len(gpu_only) >= 5
+    for name in gpu_only + ["test_cuda_kernels_compiled_when_torch_is_a_cuda_build",
+                            "test_random_copy_delays_change_nothing[cuda-2]"]:
+        assert any(word in name for word in words), f"{name} is not selected by -k {words}"
 
 
 def test_its_stages_fit_in_six_minutes_and_racecheck_is_gone():

@@ -72,6 +72,11 @@ def test_overlapping_params_are_refused_and_disjoint_views_accepted():
     buffer = torch.randn(5000)
     with pytest.raises(ValueError, match="params 0 and 1 share memory"):
         so.SwapOptimizer(torch.optim.AdamW([torch.nn.Parameter(buffer[:3000]), torch.nn.Parameter(buffer[2000:])]))
+    # Column slices of one buffer interleave in memory but share no element: fine.
+    grid = torch.randn(100, 128)
+    so.SwapOptimizer(torch.optim.AdamW([torch.nn.Parameter(grid[:, :64]), torch.nn.Parameter(grid[:, 64:])]))
+    with pytest.raises(ValueError, match="params 0 and 1 share memory"):
+        so.SwapOptimizer(torch.optim.AdamW([torch.nn.Parameter(grid[:, :65]), torch.nn.Parameter(grid[:, 64:])]))
     # vector_to_parameters: disjoint views of one buffer are fine and train like separate tensors.
     model, twin = build_model("mlp", "cpu"), build_model("mlp", "cpu")
     flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
@@ -226,22 +231,23 @@ def test_frozen_params_show_no_state_until_their_first_grad(device):
 
 # ------------------------------------------------------------ item 14
 @requires_cuda
-def test_a_param_written_right_after_a_step_reaches_its_master_on_cuda():
-    """The master copy follows a param written outside step(); on CUDA the
-    write into the host store waits for the last step's copies out, which would
-    otherwise land after it and bring the stale master back."""
-    param = torch.nn.Parameter(torch.randn(1 << 26, device="cuda", dtype=torch.bfloat16))
-    optimizer = so.SwapOptimizer(torch.optim.AdamW([param], lr=0.0, weight_decay=0.0), master_weights=True,
-                                 state_dtype=torch.float32, swap_times=2)
-    new = torch.randn_like(param)
+def test_a_state_edited_right_after_a_step_reaches_the_store_on_cuda():
+    """An entry of `state` replaced through a reference taken before the step
+    (no wait for its copies out) is written into the host store only after the
+    step's copies out have landed, which would otherwise bring the old one back."""
+    param = torch.nn.Parameter(torch.randn(1 << 25, device="cuda"))
+    optimizer = so.SwapOptimizer(torch.optim.AdamW([param], lr=1e-3), swap_times=2)
+    state = optimizer.state  # the dict itself: edits through it do not wait
     for _ in range(3):
         param.grad = torch.ones_like(param)
         optimizer.step()
-        with torch.no_grad():
-            param.copy_(new)  # at once, while the step's copies may still be in flight
-        optimizer.step()  # lr 0: the param stays the rounding of its master
-        assert torch.equal(param, new)
-        new = torch.randn_like(param)
+        edited = torch.full((1 << 25,), 0.5)
+        entry = dict(state[param])
+        entry["exp_avg"] = edited  # at once, while the step's copies may still be in flight
+        state[param] = entry
+        param.grad = None
+        optimizer.step()  # no grad: the param is skipped; the edit is written into the store
+        assert torch.equal(optimizer.state[param]["exp_avg"], edited)
 
 
 # ------------------------------------------------------------ items 2, 3
@@ -285,8 +291,9 @@ def written_outside_step(how, model):
         torch.nn.utils.vector_to_parameters(flat * 0.5, params)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", ["data.clamp_", "data.copy_", "data =", "vector_to_parameters"])
-def test_master_weights_take_writes_through_data(how):
+def test_master_weights_take_writes_through_data(how, device):
     """With master_weights, a param written through .data is taken by its
     master at the next step (the kernel sees the param is no longer the
     master's rounding), exactly as a write that bumps the version (which the
@@ -295,19 +302,19 @@ def test_master_weights_take_writes_through_data(how):
         for step in range(first, first + count):
             generator = torch.Generator().manual_seed(step)
             for p in model.parameters():
-                p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+                p.grad = torch.randn(p.shape, generator=generator).to(device=p.device, dtype=p.dtype)
             optimizer.step()
 
     runs = []
     for through_data in (True, False):
-        model = build_model("mlp", "cpu", dtype=torch.bfloat16)
+        model = build_model("mlp", device, dtype=torch.bfloat16)
         optimizer = swap_optimizer("adamw", model.parameters(), master_weights=True, state_dtype=torch.float32,
                                    swap_times=2, min_numel=0)
         steps(model, optimizer, 0, 2)
         if through_data:
             written_outside_step(how, model)
         else:
-            twin = build_model("mlp", "cpu", dtype=torch.bfloat16)
+            twin = build_model("mlp", device, dtype=torch.bfloat16)
             twin.load_state_dict(model.state_dict())
             written_outside_step(how, twin)
             with torch.no_grad():
@@ -467,7 +474,7 @@ def test_a_signal_handler_saves_a_consistent_checkpoint_during_a_step(stop):
 
 # ------------------------------------------------------------ item 15
 @requires_cuda
-def test_writes_on_one_stream_then_a_step_on_another():
+def test_writes_on_one_cuda_stream_then_a_step_on_another():
     """Resident states written at construction and by load_state_dict on one
     stream are ordered before a step on another stream."""
     results = []
@@ -477,6 +484,8 @@ def test_writes_on_one_stream_then_a_step_on_another():
         plain = plain_optimizer("adamw", donor.parameters())
         train("mlp", donor, plain, 2, "cuda")
         with torch.cuda.stream(streams[0] or torch.cuda.current_stream()):
+            if streams[0] is not None:
+                torch.cuda._sleep(200_000_000)  # the writes below land late on this stream
             optimizer = swap_optimizer("adamw", model.parameters(), state_keys=("exp_avg",), swap_times=2)
             optimizer.load_state_dict(round_trip(plain.state_dict()))
         with torch.cuda.stream(streams[1] or torch.cuda.current_stream()):
@@ -484,3 +493,39 @@ def test_writes_on_one_stream_then_a_step_on_another():
         torch.cuda.synchronize()
         results.append(params_of(model))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_the_optimizer_is_freed_by_reference_counting():
+    """No reference cycle (a strong self-reference for wrappers, bound methods
+    on the inner optimizer): the store goes when the last reference does."""
+    import gc
+    import weakref
+    model = build_model("mlp", "cpu")
+    optimizer = swap_optimizer("adamw", model.parameters())
+    train("mlp", model, optimizer, 1, "cpu")
+    gone = weakref.ref(optimizer)
+    gc.disable()
+    try:
+        del optimizer
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
+def test_grad_scaler_through_a_copying_wrapper_skips_an_inf_step():
+    """GradScaler sets grad_scale / found_inf on the object it is given (a
+    framework wrapper): the optimizer itself must see them, or an inf step
+    would be applied."""
+    model = build_model("mlp", "cpu")
+    optimizer = swap_optimizer("adamw", model.parameters(), unscale_in_step=True)
+    wrapped = CopyingWrapper(optimizer)
+    assert wrapped._step_supports_amp_scaling and ForwardingWrapper(optimizer)._step_supports_amp_scaling
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    train("mlp", model, optimizer, 1, "cpu")
+    before = params_of(model)
+    optimizer.zero_grad()
+    scaler.scale(model(torch.randn(4, 24)).sum() * float("inf")).backward()
+    scaler.step(wrapped)
+    scaler.update()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert optimizer.state[next(model.parameters())]["step"].item() == 1

@@ -157,7 +157,7 @@ void bind_runtime(py::module& module) {
            },
            py::arg("copy_delay_us") = 0, py::arg("seed") = 0, py::arg("fault") = py::none(),
            py::arg("fault_batch") = -1, py::arg("simulated_free_bytes") = -1,
-           "Test only: random copy delays (host backend), one injected failure, and arenas allocated as if the "
+           "Test only: random copy delays (both backends), one injected failure, and arenas allocated as if the "
            "device had simulated_free_bytes free.");
 
   module.def("_simulate_pin_failure", &runtime::simulate_pin_failure, py::arg("enabled"),

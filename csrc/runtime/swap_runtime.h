@@ -46,7 +46,7 @@ struct MemoryStats {
   int64_t unpinned_host_bytes = 0;  // host store bytes that could not be pinned
 };
 
-// Test hooks: random copy delays (host backend) and one injected failure.
+// Test hooks: random copy delays (both backends) and one injected failure.
 // kUpdateLastCall fails before the last op call of the batch, after the others ran.
 enum class FaultPoint { kNone, kStageIn, kUpdate, kUpdateLastCall, kInterrupt };
 struct TestHooks {
