@@ -287,9 +287,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         if self.__dict__.get("_runtime") is not None:  # not while Optimizer.__init__ builds the list
             self.optimizer.param_groups = groups
 
-    def _follow_param_groups(self) -> None:
+    def _follow_param_groups(self, caller: str) -> None:
         """Rebuilds the store when the params in param_groups are no longer those
-        it was laid out for (groups reassigned, or params added by hand)."""
+        it was laid out for (groups reassigned, or params added by hand). A torn
+        state is refused, in `caller`'s name, except by load_state_dict, which
+        rewrites every state (and so may rebuild over it)."""
         params = self._params()
         if [id(p) for p in params] == self._param_ids and \
                 [len(g["params"]) for g in self.param_groups] == self._group_sizes:
@@ -298,7 +300,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             _check_group_flags(group, index)
         _check_params(params, self._device)
         _check_distinct(params)
-        self._refuse_if_torn("a change of param_groups")
+        if caller != "load_state_dict":
+            self._refuse_if_torn(caller)
         previous = {p: entry for p, entry in self.state.items() if entry}  # waits for the last step
         self._build_runtime(previous, "the state carried over to the new param_groups")
 
@@ -471,7 +474,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._stepping = True  # from here a signal handler may read, not change, the store
         stepped = False
         try:
-            self._follow_param_groups()
+            self._follow_param_groups("step")
             groups = self.param_groups
             group_args = []
             for index, group in enumerate(groups):
@@ -507,7 +510,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         if self.__dict__.get("_runtime") is None:  # called by Optimizer.__init__
             return super().add_param_group(param_group)
         self._refuse_inside_step("add_param_group")
-        self._follow_param_groups()
+        self._follow_param_groups("add_param_group")
         params = param_group["params"]
         # A generator can be read once: keep the list, as torch's add_param_group does.
         param_group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -537,7 +540,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise ValueError("SwapOptimizer.load_state_dict: expected an optimizer state dict with 'state' and "
                              "'param_groups'")
         self._refuse_inside_step("load_state_dict")
-        self._follow_param_groups()
+        self._follow_param_groups("load_state_dict")
         state_dict = state_dict.copy()  # as torch: hooks and loading never change the caller's dict
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
