@@ -7,8 +7,14 @@ from typing import Any, Optional
 
 import torch
 
-# The states Adam/AdamW keep per param, plus the optional fp32 master copy.
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+# The states Adam/AdamW keep per param, plus the optional fp32 master copy and
+# Kahan compensation buffer. (8-bit moments keep their codes and scales where
+# the moment's key says.)
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param", "compensation")
+# The runtime's keys: the first four, each moment's absmax scales, the compensation.
+_RUNTIME_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param", "exp_avg", "exp_avg_sq",
+                 "max_exp_avg_sq", "compensation")
+_STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.uint8)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -32,10 +38,20 @@ class SwapOptimizerConfig:
     min_numel: params with fewer elements keep their state on the device.
     num_arenas: staging arenas on the device (>= 2); with 3 or more, copies in
         and out run on separate streams, both directions of the link at once.
-    state_dtype: None keeps states in the param's dtype, as torch does;
-        torch.float32 keeps fp32 states for 16-bit params.
+    state_dtype: how the moments are stored. None: in the param's dtype, as
+        torch does; torch.float32: fp32 for 16-bit params; torch.bfloat16: bf16,
+        rounded stochastically (see rounding_seed); torch.uint8: blockwise 8-bit
+        codes (256 elements per fp32 absmax, bitsandbytes' dynamic maps) for
+        params of at least 4096 elements, the param's dtype for smaller ones.
     master_weights: keep an fp32 master copy of each 16-bit param, swapped like
         the states; the param is its rounding after every step.
+    kahan_summation: keep a 16-bit Kahan compensation buffer per 16-bit param,
+        swapped like a state, that carries what rounding the param lost; half
+        the bytes of master_weights (exclusive with it).
+    rounding_seed: seeds the stochastic rounding of bf16 moments (keyed by
+        param index, state, element index in the whole param and step, so
+        results do not depend on batching, device or rank). None: torch's
+        initial seed. Saved in the state dict.
     pin_memory: page-locked host memory (falls back to pageable with a warning).
     keep_arenas: keep the staging arenas allocated between steps.
     staging_budget_bytes: when set, swap_times becomes the smallest count whose
@@ -53,6 +69,8 @@ class SwapOptimizerConfig:
     num_arenas: int = 2
     state_dtype: Optional[torch.dtype] = None
     master_weights: bool = False
+    kahan_summation: bool = False
+    rounding_seed: Optional[int] = None
     pin_memory: bool = True
     keep_arenas: bool = False
     staging_budget_bytes: Optional[int] = None
@@ -62,11 +80,22 @@ class SwapOptimizerConfig:
         _check_int("swap_times", self.swap_times, 1)
         _check_int("min_numel", self.min_numel, 0)
         _check_int("num_arenas", self.num_arenas, 2)
-        for name in ("master_weights", "pin_memory", "keep_arenas"):
+        for name in ("master_weights", "kahan_summation", "pin_memory", "keep_arenas"):
             _check_bool(name, getattr(self, name))
-        if self.state_dtype not in (None, torch.float32):
-            raise ValueError("SwapOptimizerConfig.state_dtype must be None (the param's dtype) or "
-                             f"torch.float32, got {self.state_dtype!r}")
+        if self.state_dtype not in _STATE_DTYPES:
+            raise ValueError("SwapOptimizerConfig.state_dtype must be None (the param's dtype), torch.float32, "
+                             f"torch.bfloat16 or torch.uint8 (8-bit blockwise), got {self.state_dtype!r}")
+        if self.kahan_summation and self.master_weights:
+            raise ValueError("SwapOptimizerConfig: kahan_summation=True and master_weights=True both keep what "
+                             "rounding 16-bit params loses; set one of kahan_summation and master_weights")
+        if self.rounding_seed is not None:
+            if isinstance(self.rounding_seed, bool) or not isinstance(self.rounding_seed, int) \
+                    or not 0 <= self.rounding_seed < 2 ** 63:
+                raise ValueError("SwapOptimizerConfig.rounding_seed must be None or an int in [0, 2**63), got "
+                                 f"{self.rounding_seed!r}")
+            if self.state_dtype != torch.bfloat16:
+                raise ValueError("SwapOptimizerConfig.rounding_seed seeds the stochastic rounding of bf16 moments; "
+                                 "set state_dtype=torch.bfloat16 or drop rounding_seed")
         if self.staging_budget_bytes is not None:
             _check_int("staging_budget_bytes", self.staging_budget_bytes, 1)
         if self.unscale_in_step is not None:
@@ -103,3 +132,7 @@ class SwapOptimizerConfig:
     def swaps(self, key: str) -> bool:
         """Whether state `key` of a swappable param lives in host memory."""
         return self.state_keys is None or key in self.state_keys
+
+    def runtime_swap_keys(self) -> list[bool]:
+        """swaps() for each of the runtime's state keys (scales follow their moment)."""
+        return [self.swaps(key) for key in _RUNTIME_KEYS]

@@ -10,7 +10,8 @@ import torch
 from . import _C  # noqa: F401  (loads the library that defines the op)
 
 LAYOUT_COLUMNS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "numel", "param_offset", "step_index",
-                  "advance_step")
+                  "advance_step", "exp_avg_absmax", "exp_avg_sq_absmax", "max_exp_avg_sq_absmax", "compensation",
+                  "random_key", "global_offset")
 ABSENT = -1
 _op = torch.ops.swap_optimizer.fused_adam_packed
 
@@ -18,7 +19,7 @@ _op = torch.ops.swap_optimizer.fused_adam_packed
 @torch.library.register_fake("swap_optimizer::fused_adam_packed")
 def _fused_adam_packed_fake(params, grads, arena, layout, steps, *, lr, beta1, beta2, eps,
                             weight_decay, amsgrad, maximize, decoupled_weight_decay,
-                            state_dtype=None, grad_scale=None, found_inf=None):
+                            state_dtype=None, grad_scale=None, found_inf=None, rounding_seed=None):
     torch._check(len(params) == len(grads), lambda: "one grad per param")
     torch._check(layout.dim() == 2 and layout.shape[0] == len(params) and layout.shape[1] == len(LAYOUT_COLUMNS),
                  lambda: f"one layout row per param, with columns {LAYOUT_COLUMNS}")
@@ -43,6 +44,7 @@ def fused_adam_packed(
     state_dtype: Optional[torch.dtype] = None,
     grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    rounding_seed: Optional[int] = None,
 ) -> None:
     """One Adam (decoupled_weight_decay=False) or AdamW update of a batch of params.
 
@@ -55,6 +57,13 @@ def fused_adam_packed(
     from that count + 1; a row with ``advance_step`` 1 writes the count back
     incremented, as torch.optim does, so the pieces of a param advance it once,
     with their last. When ``found_inf`` is non-zero nothing is written at all.
+
+    Compact states: ``state_dtype=torch.uint8`` makes rows with an
+    ``exp_avg_absmax`` offset 8-bit (codes at the moments' offsets, one float32
+    absmax per 256 elements at the absmax offsets; other rows keep the param's
+    dtype); a ``compensation`` offset keeps a Kahan buffer (16-bit params);
+    ``rounding_seed`` (with ``state_dtype=torch.bfloat16``) rounds the moments
+    stochastically, keyed by ``random_key`` and ``global_offset`` + element.
     """
     params, grads = list(params), list(grads)
     for index, (p, g) in enumerate(zip(params, grads)):
@@ -66,7 +75,7 @@ def fused_adam_packed(
     _op(params, grads, arena, layout, steps, lr=float(lr), beta1=float(betas[0]),
         beta2=float(betas[1]), eps=float(eps), weight_decay=float(weight_decay), amsgrad=amsgrad,
         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, state_dtype=state_dtype,
-        grad_scale=grad_scale, found_inf=found_inf)
+        grad_scale=grad_scale, found_inf=found_inf, rounding_seed=rounding_seed)
 
 
 def plan_packed_layout(
@@ -101,6 +110,7 @@ def plan_packed_layout(
         exp_avg_sq = take(state_bytes)
         max_exp_avg_sq = take(state_bytes) if amsgrad else ABSENT
         master = take(p.numel() * 4) if master_weights and p.dtype != torch.float32 else ABSENT
-        rows.append([exp_avg, exp_avg_sq, max_exp_avg_sq, master, p.numel(), 0, index, 1])
+        rows.append([exp_avg, exp_avg_sq, max_exp_avg_sq, master, p.numel(), 0, index, 1,
+                     ABSENT, ABSENT, ABSENT, ABSENT, index, 0])
     layout = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(LAYOUT_COLUMNS))
     return layout, cursor

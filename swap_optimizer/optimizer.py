@@ -13,11 +13,13 @@ from typing import Any, Optional
 import torch
 
 from . import _C
-from .config import STATE_KEYS, SwapOptimizerConfig
+from .compact import FORMAT_KEY, MOMENTS, dequantize, quantize, state_format
+from .config import SwapOptimizerConfig
 
 try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # torch built without distributed support
     DTensor = None
 
@@ -153,6 +155,23 @@ def _local_part(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
                              src_data_rank=None).to_local()
 
 
+def _global_offset(param: torch.Tensor, index: int) -> int:
+    """The index, in the whole param, of this rank's first element: 0 unless
+    the param is a DTensor sharded on dim 0 (FSDP2), whose shard is then one
+    contiguous run of the whole param's elements."""
+    if not _is_dtensor(param):
+        return 0
+    if any(isinstance(p, Shard) and p.dim != 0 for p in param.placements):
+        raise ValueError(f"SwapOptimizer: param {index} is sharded on a dim other than 0 ({param.placements}); "
+                         "stochastic rounding keys on the global element index, which needs shards on dim 0 "
+                         "(FSDP2's default): shard on dim 0, or use state_dtype=None or torch.float32")
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    row = 1
+    for size in param.shape[1:]:
+        row *= size
+    return int(offset[0]) * row if offset else 0
+
+
 def _check_readable(value: torch.Tensor, where: str, key: str) -> None:
     if value.is_meta or value.layout != torch.strided:
         kind = "a meta tensor (no data)" if value.is_meta else f"{value.layout} (not dense)"
@@ -231,6 +250,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         _check_distinct(all_params)
         self.optimizer = optimizer
         self._runtime = None
+        self._rounding_seed = None
+        if self.config.state_dtype == torch.bfloat16:  # stochastic rounding; the seed is saved in state dicts
+            seed = self.config.rounding_seed
+            self._rounding_seed = torch.initial_seed() % 2 ** 63 if seed is None else seed
+        if self.config.kahan_summation and not any(p.dtype != torch.float32 for p in all_params):
+            warnings.warn("SwapOptimizer: kahan_summation=True applies to 16-bit params, and this optimizer has "
+                          "none; it does nothing here", UserWarning, stacklevel=2)
         unscale = self.config.unscale_in_step
         self.__dict__["_unscale_in_step"] = (any(bool(g.get("fused")) for g in optimizer.param_groups)
                                              if unscale is None else unscale)
@@ -325,13 +351,21 @@ class SwapOptimizer(torch.optim.Optimizer):
                    for p, entry in previous.items() if p in index_of and entry]
         local_params = [_local(p) for p in params]
         swappable = [p.numel() >= self.config.min_numel and p.is_contiguous() for p in local_params]
-        swap_keys = [self.config.swaps(key) for key in STATE_KEYS]
+        swap_keys = self.config.runtime_swap_keys()
+        global_offsets = []
+        if self._rounding_seed is not None:
+            global_offsets = [_global_offset(p, i) for i, p in enumerate(params)]
+        if self.config.state_dtype == torch.uint8 and any(_is_dtensor(p) for p in params):
+            raise ValueError("SwapOptimizer: state_dtype=torch.uint8 (8-bit moments) does not support DTensor "
+                             "(FSDP2) params yet: its absmax scales are per local shard. Use "
+                             "state_dtype=torch.bfloat16 under FSDP2")
         swap_times = self.config.swap_times
         if self.config.staging_budget_bytes is not None:
             swap_times, smallest = _C.smallest_swap_times_for_budget(
                 local_params, group_of_param, group_amsgrad, swappable, state_dtype=self.config.state_dtype,
                 master_weights=self.config.master_weights, swap_keys=swap_keys,
-                num_arenas=self.config.num_arenas, budget_bytes=self.config.staging_budget_bytes)
+                num_arenas=self.config.num_arenas, budget_bytes=self.config.staging_budget_bytes,
+                kahan_summation=self.config.kahan_summation)
             if swap_times < 0:
                 raise ValueError(f"SwapOptimizerConfig.staging_budget_bytes={self.config.staging_budget_bytes} is too "
                                  f"small: the smallest budget that works is {smallest} bytes (the finest split, "
@@ -340,7 +374,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         runtime = _C.SwapRuntime(local_params, group_of_param, group_amsgrad, swappable, swap_times=swap_times,
                                  num_arenas=self.config.num_arenas, state_dtype=self.config.state_dtype,
                                  master_weights=self.config.master_weights, pin_memory=self.config.pin_memory,
-                                 keep_arenas=self.config.keep_arenas, swap_keys=swap_keys)
+                                 keep_arenas=self.config.keep_arenas, swap_keys=swap_keys,
+                                 kahan_summation=self.config.kahan_summation, rounding_seed=self._rounding_seed,
+                                 global_offsets=global_offsets)
         stats = runtime.memory_stats()
         if stats["unpinned_host_bytes"]:
             warnings.warn(f"SwapOptimizer: could not pin {stats['unpinned_host_bytes']} bytes of host memory; that "
@@ -365,9 +401,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._note_param_versions()
 
     def _note_param_versions(self) -> None:
-        """Remembers the version counter of each param that has a master copy."""
+        """Remembers the version counter of each param that has a master copy or
+        a Kahan buffer."""
         self._param_versions = {i: _local(p)._version for i, p in enumerate(self._params())
-                                if "master_param" in self._views[i]}
+                                if "master_param" in self._views[i] or "compensation" in self._views[i]}
 
     def _sync_outside_changes(self, params: list[torch.Tensor]) -> None:
         """Brings the store up to date with what changed outside step(): a master
@@ -398,27 +435,42 @@ class SwapOptimizer(torch.optim.Optimizer):
                 if values:
                     state[params[i]] = dict(self._entries[i])
         with torch.no_grad():
-            for i in followed:  # elementwise, as the kernel takes a write through .data
-                master, local = self._views[i]["master_param"], _local(params[i]).to(self._views[i]["master_param"].device)
+            for i in followed:
+                view = self._views[i]
+                if "compensation" in view:  # what the old value lost does not belong to the new one
+                    view["compensation"].zero_()
+                    continue
+                # elementwise, as the kernel takes a write through .data
+                master, local = view["master_param"], _local(params[i]).to(view["master_param"].device)
                 master.copy_(torch.where(master.to(local.dtype) == local, master, local.float()))
         if edits or followed:
             self._runtime.order_writes()
 
     def _checked_state(self, param: torch.Tensor, entry: Any, amsgrad: bool, where: str) -> dict:
-        """Validates one param's saved state; returns {key: value} to write."""
+        """Validates one param's saved state; returns {key: value} to write. A
+        moment may be saved as values (its plain name) or as 8-bit codes and
+        scales (`<name>_codes`, `<name>_absmax`); _write_states converts either
+        to this optimizer's form."""
         if not isinstance(entry, dict):
             raise ValueError(f"{where}: state must be a dict, got {type(entry).__name__}")
-        allowed = {"step", "exp_avg", "exp_avg_sq", "master_param"} | ({"max_exp_avg_sq"} if amsgrad else set())
+        moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+        allowed = {"step", "master_param", "compensation"} | set(moments) | \
+            {f"{m}_{part}" for m in moments for part in ("codes", "absmax")}
         unknown = sorted(set(entry) - allowed)
         if unknown:
             raise ValueError(f"{where}: unknown state key(s) {unknown}; Adam/AdamW with amsgrad={amsgrad} keep "
                              f"{sorted(allowed)} (is this another optimizer's state dict?)")
-        required = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-        missing = [k for k in required if k not in entry]
+        missing = [k for k in ["step"] + moments if k not in entry and f"{k}_codes" not in entry]
         if missing:
-            raise ValueError(f"{where}: state is missing {missing}; Adam/AdamW with amsgrad={amsgrad} need {required}")
+            raise ValueError(f"{where}: state is missing {missing}; Adam/AdamW with amsgrad={amsgrad} need step, "
+                             f"{moments} (as values, or as <name>_codes and <name>_absmax)")
         values = {"step": _as_step_value(entry["step"], where)}
-        for key in required[1:] + (["master_param"] if "master_param" in entry else []):
+        for moment in moments:
+            if moment in entry and f"{moment}_codes" in entry:
+                raise ValueError(f"{where}: '{moment}' is saved both as values and as codes; keep one")
+            if f"{moment}_codes" in entry:
+                values[moment] = self._checked_codes(param, entry, moment, where)
+        for key in [m for m in moments if m in entry] + [k for k in ("master_param", "compensation") if k in entry]:
             value = entry[key]
             if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                 raise ValueError(f"{where}: '{key}' must be a floating-point tensor, got "
@@ -430,29 +482,63 @@ class SwapOptimizer(torch.optim.Optimizer):
             values[key] = _local_part(value, param)  # here, so a failing redistribution changes nothing
         return values
 
+    @staticmethod
+    def _checked_codes(param: torch.Tensor, entry: dict, moment: str, where: str) -> tuple:
+        """(codes, absmax) of an 8-bit moment, checked against the param."""
+        codes, absmax = entry.get(f"{moment}_codes"), entry.get(f"{moment}_absmax")
+        if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.shape != param.shape:
+            raise ValueError(f"{where}: '{moment}_codes' must be a uint8 tensor of the param's shape "
+                             f"{tuple(param.shape)}, got {getattr(codes, 'dtype', type(codes).__name__)} "
+                             f"{tuple(getattr(codes, 'shape', ()))}")
+        blocks = -(-param.numel() // 256)
+        if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.float32 or absmax.shape != (blocks,):
+            raise ValueError(f"{where}: '{moment}_absmax' must be a float32 tensor of {blocks} scales (one per 256 "
+                             f"elements) beside '{moment}_codes', got {getattr(absmax, 'dtype', type(absmax).__name__)} "
+                             f"{tuple(getattr(absmax, 'shape', ()))}")
+        for key, value in ((f"{moment}_codes", codes), (f"{moment}_absmax", absmax)):
+            _check_readable(value, where, key)
+        return codes, absmax
+
     def _write_states(self, params: list[torch.Tensor], views: list[dict], values: dict[int, dict],
                       only=None) -> None:
         """Writes validated states into the stores (of the params in `only`, or
-        all): no step and zeros where a param has no saved state; master copies
-        from the params when not saved or when a saved one no longer rounds to
-        its param (a plain AdamW carries master_param along without updating it)."""
+        all): no step and zeros where a param has no saved state; each moment in
+        this optimizer's form (8-bit codes are copied as they are or decoded,
+        values copied or encoded); master copies from the params when not saved
+        or when a saved one no longer rounds to its param (a plain AdamW carries
+        master_param along without updating it); compensation zero unless saved."""
         with torch.no_grad():
             for i, (p, view) in enumerate(zip(params, views)):
                 if only is not None and i not in only:
                     continue
                 saved = values.get(i, {})
                 view["step"].fill_(saved.get("step", 0.0))
-                for key in STATE_KEYS:
-                    if key not in view:
-                        continue
-                    value = saved.get(key)
-                    if key == "master_param" and (value is None or value.dtype != torch.float32
-                                                  or not torch.equal(value.to(p.dtype), _local(p).to(value.device))):
+                for moment in MOMENTS:
+                    value = saved.get(moment)
+                    if f"{moment}_codes" in view:
+                        codes, absmax = view[f"{moment}_codes"], view[f"{moment}_absmax"]
+                        if value is None:
+                            codes.zero_()
+                            absmax.zero_()  # every code decodes to 0
+                            continue
+                        if not isinstance(value, tuple):
+                            value = quantize(value, moment)
+                        codes.copy_(value[0])
+                        absmax.copy_(value[1])
+                    elif moment in view:
+                        if value is None:
+                            view[moment].zero_()
+                        else:
+                            view[moment].copy_(dequantize(*value, moment) if isinstance(value, tuple) else value)
+                if "compensation" in view:
+                    value = saved.get("compensation")
+                    view["compensation"].copy_(value) if value is not None else view["compensation"].zero_()
+                if "master_param" in view:
+                    value = saved.get("master_param")
+                    if value is None or value.dtype != torch.float32 or \
+                            not torch.equal(value.to(p.dtype), _local(p).to(value.device)):
                         value = _local(p)
-                    if value is None:
-                        view[key].zero_()
-                    else:
-                        view[key].copy_(value)
+                    view["master_param"].copy_(value)
 
     # ------------------------------------------------------------------ step
     # Dynamo would trace into the C++ runtime and set capturable=True on the
@@ -531,8 +617,16 @@ class SwapOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # noqa: D102  (torch.optim API)
         """The wrapped optimizer's format; swapped states are the host tensors
         themselves (no device copy), steps are CPU float32 tensors. (The base
-        class reads `state`, which waits for the last step's copies.)"""
-        return super().state_dict()
+        class reads `state`, which waits for the last step's copies.) With
+        compact states, each param group also says how they are stored
+        (FORMAT_KEY: the moments' form, the code maps and block size of 8-bit
+        ones, the rounding seed of bf16 ones); see dequantize_state_dict."""
+        state_dict = super().state_dict()
+        if self.config.state_dtype in (torch.bfloat16, torch.uint8) or self.config.kahan_summation:
+            form = state_format(self.config.state_dtype, self._rounding_seed)
+            for group in state_dict["param_groups"]:
+                group[FORMAT_KEY] = copy.deepcopy(form)
+        return state_dict
 
     @_on_the_optimizer_itself
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102  (torch.optim API)
@@ -552,7 +646,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise ValueError(f"SwapOptimizer.load_state_dict: the state dict has {len(saved_groups)} param groups "
                              f"but this optimizer has {len(groups)}")
         params = self._params()
-        saved_ids, new_groups = [], []
+        saved_ids, new_groups, saved_seed = [], [], None
         for g, (saved, group) in enumerate(zip(saved_groups, groups)):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(f"SwapOptimizer.load_state_dict: param group {g} has {len(saved['params'])} params "
@@ -563,6 +657,13 @@ class SwapOptimizer(torch.optim.Optimizer):
                                  "create the wrapped optimizer with the saved amsgrad")
             saved_ids.extend(saved["params"])
             new_group = {**self.defaults, **saved, "params": group["params"]}
+            form = new_group.pop(FORMAT_KEY, None)
+            seed = form.get("rounding_seed") if isinstance(form, dict) else None
+            if seed is not None and self._rounding_seed is not None:  # resumes the same rounding draws
+                if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+                    raise ValueError(f"SwapOptimizer.load_state_dict: param group {g}'s {FORMAT_KEY} has "
+                                     f"rounding_seed {seed!r}; it must be an int in [0, 2**63)")
+                saved_seed = seed
             for flag in _EXECUTION_FLAGS:
                 new_group[flag] = group.get(flag)
             if isinstance(self.optimizer, torch.optim.AdamW):
@@ -583,6 +684,9 @@ class SwapOptimizer(torch.optim.Optimizer):
                                                 f"SwapOptimizer.load_state_dict: param {i}")
         # Everything is checked: write.
         self._runtime.synchronize()
+        if saved_seed is not None:
+            self._rounding_seed = saved_seed
+            self._runtime.set_rounding_seed(saved_seed)
         groups[:] = new_groups
         self._write_states(params, self._views, values)
         self._runtime.order_writes()

@@ -103,11 +103,11 @@ def save_checkpoint(model, optimizer, work_dir):
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(work_dir, "checkpoint"))
 
 
-def assert_resumes_bitwise(model, optimizer, make_model, swap_times, device, rank, work_dir):
+def assert_resumes_bitwise(model, optimizer, make_model, swap_times, device, rank, work_dir, **fields):
     """A fresh model and SwapOptimizer (another swap_times) loaded from the DCP
     checkpoint train 3 more steps exactly as the saved pair does (steps 4-6)."""
     resumed = shard(make_model(device))
-    resumed_optimizer = SwapOptimizer(adamw(resumed.parameters()), swap_times=swap_times, min_numel=64)
+    resumed_optimizer = SwapOptimizer(adamw(resumed.parameters()), swap_times=swap_times, min_numel=64, **fields)
     model_state, optim_state = get_state_dict(resumed, resumed_optimizer)
     loaded = {"model": model_state, "optim": optim_state}
     dcp.load(loaded, checkpoint_id=os.path.join(work_dir, "checkpoint"))
@@ -173,6 +173,37 @@ def case_fsdp2_split(rank, device, work_dir):
     assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir)
 
 
+def case_fsdp2_bf16_moments(rank, device, work_dir):
+    """bf16 moments rounded stochastically under FSDP2: each shard draws by the
+    global element index, so the sharded states are bit for bit those of one
+    unsharded optimizer stepped with the same (averaged) grads; a DCP checkpoint
+    resumes bitwise in an optimizer made with another seed (the saved one wins)."""
+    fields = dict(state_dtype=torch.bfloat16, rounding_seed=5)
+    model = shard(build_wide(device))
+    ours = SwapOptimizer(adamw(model.parameters()), swap_times=4, min_numel=64, **fields)
+    replica = build_wide(device)
+    whole = SwapOptimizer(adamw(replica.parameters()), swap_times=1, min_numel=64, **fields)
+    for step in range(4):
+        train(model, ours, 1, step, device, rank)
+        grads = []
+        for r in range(WORLD):  # every rank's batch, averaged as FSDP2 reduces them
+            generator = torch.Generator().manual_seed(1000 * step + r)
+            replica.zero_grad()
+            replica(torch.randn(16, 24, generator=generator).to(device)).float().square().mean().backward()
+            grads.append([p.grad.clone() for p in replica.parameters()])
+        for p, *per_rank in zip(replica.parameters(), *grads):
+            p.grad = sum(per_rank) / WORLD
+        whole.step()
+    for p, q in zip(model.parameters(), replica.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            full = ours.state[p][key].full_tensor()
+            assert full.dtype == torch.bfloat16
+            assert torch.equal(full.to(device), whole.state[q][key]), key
+    save_checkpoint(model, ours, work_dir)
+    assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir, state_dtype=torch.bfloat16,
+                           rounding_seed=99)
+
+
 def case_ddp(rank, device, work_dir):
     model = DistributedDataParallel(build(device))
     reference = DistributedDataParallel(build(device))
@@ -189,7 +220,8 @@ def case_ddp(rank, device, work_dir):
 
 
 CASES = {"fsdp2": case_fsdp2, "fsdp2_checkpoint": case_fsdp2_checkpoint,
-         "fsdp2_mixed_precision": case_fsdp2_mixed_precision, "fsdp2_split": case_fsdp2_split, "ddp": case_ddp}
+         "fsdp2_mixed_precision": case_fsdp2_mixed_precision, "fsdp2_split": case_fsdp2_split,
+         "fsdp2_bf16_moments": case_fsdp2_bf16_moments, "ddp": case_ddp}
 
 
 def run_rank(rank, case, work_dir, backend, port):

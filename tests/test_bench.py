@@ -112,3 +112,27 @@ def test_staging_share_of_public_model_shapes_meets_the_target(tmp_path):
     for row in rows:
         assert row["share"] - row["ideal"] <= 0.01, row
         assert row["whole_param_floor"] > 0.4 and row["split_params"] > 0 and row["max_host_copies"] <= 5
+
+
+def test_state_modes_report_bytes_per_param_and_ratio(tmp_path, capsys):
+    report, _ = run(tmp_path, "--dtype", "bf16", "--swap-times", "4", "--num-arenas", "2",
+                    "--state-modes", "default,bf16,kahan+8bit")
+    rows = {row["mode"]: row for row in report["modes"]}
+    assert set(rows) == {"resident", "swap s4 a2", "swap s4 a2+master", "swap s4 a2 bf16", "swap s4 a2 kahan+8bit"}
+    assert rows["swap s4 a2 kahan+8bit"]["state"] == "kahan+8bit"
+    # bf16 params: 4 B/param with bf16 moments, 12 with fp32 masters and moments; Kahan + 8-bit about 4.
+    assert rows["swap s4 a2"]["bytes_per_param_each_way"] == pytest.approx(4.0, rel=0.01)
+    assert rows["swap s4 a2+master"]["bytes_per_param_each_way"] == pytest.approx(12.0, rel=0.01)
+    assert rows["swap s4 a2 kahan+8bit"]["bytes_per_param_each_way"] < 4.3
+    assert rows["swap s4 a2 kahan+8bit"]["h2d_bytes"] < rows["swap s4 a2+master"]["h2d_bytes"] / 2.5
+    out = capsys.readouterr().out
+    assert "B/param each way" in out and "step vs default" in out
+
+
+def test_kahan_state_mode_needs_16bit_params(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--quick", "--state-modes", "kahan+8bit"])
+    assert "Kahan summation applies to 16-bit params" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--quick", "--state-modes", "int4"])
+    assert "expected comma-separated state modes" in capsys.readouterr().err

@@ -106,10 +106,10 @@ def test_bad_call_is_refused_before_any_write(name):
     assert torch.equal(steps_before, c["steps"])
 
 
-def test_state_dtype_must_be_param_dtype_or_fp32():
+def test_state_dtype_must_be_param_dtype_fp32_or_bf16():
     c = make_call(dtype=torch.bfloat16)
     c["kwargs"]["state_dtype"] = torch.float16
-    with pytest.raises(ValueError, match="must be BFloat16 or float32"):
+    with pytest.raises(ValueError, match="BFloat16 so its states must be in its dtype, float32 or bfloat16"):
         call(c)
 
 

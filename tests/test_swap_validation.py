@@ -51,7 +51,7 @@ def test_supported_variants_are_accepted():
     (dict(swap_times=True), "swap_times must be an int >= 1"),
     (dict(min_numel=-1), "min_numel must be an int >= 0"),
     (dict(num_arenas=1), "num_arenas must be an int >= 2"),
-    (dict(state_dtype=torch.float16), "state_dtype must be None .* or torch.float32"),
+    (dict(state_dtype=torch.float16), "state_dtype must be None .*, torch.float32, torch.bfloat16 or torch.uint8"),
     (dict(master_weights="yes"), "master_weights must be True or False"),
     (dict(pin_memory=None), "pin_memory must be True or False"),
     (dict(keep_arenas=1), "keep_arenas must be True or False"),

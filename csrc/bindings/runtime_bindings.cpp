@@ -1,10 +1,13 @@
 #include "runtime_bindings.h"
 
+#include "../kernels/state_codec.h"
 #include "../runtime/host_memory.h"
 #include "../runtime/swap_runtime.h"
 
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
+
+#include <ATen/ops/tensor.h>
 
 #include <algorithm>
 #include <tuple>
@@ -21,9 +24,17 @@ using runtime::SwapRuntime;
 // (lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay)
 using GroupArgs = std::tuple<double, double, double, double, double, bool, bool, bool>;
 
+// The optional settings of the compact state forms.
+struct CompactOptions {
+  bool kahan_summation = false;
+  std::optional<int64_t> rounding_seed;
+  std::vector<int64_t> global_offsets;
+};
+
 RuntimeOptions make_options(int64_t swap_times, int64_t num_arenas,
                             std::optional<c10::ScalarType> state_dtype, bool master_weights,
-                            bool pin_memory, bool keep_arenas, const std::vector<bool>& swap_keys) {
+                            bool pin_memory, bool keep_arenas, const std::vector<bool>& swap_keys,
+                            CompactOptions compact = {}) {
   TORCH_CHECK_VALUE(swap_keys.size() == runtime::kStateKeyCount,
                     "swap_keys needs one flag per state key");
   RuntimeOptions options;
@@ -33,6 +44,9 @@ RuntimeOptions make_options(int64_t swap_times, int64_t num_arenas,
   options.master_weights = master_weights;
   options.pin_memory = pin_memory;
   options.keep_arenas = keep_arenas;
+  options.kahan_summation = compact.kahan_summation;
+  options.rounding_seed = compact.rounding_seed;
+  options.global_offsets = std::move(compact.global_offsets);
   std::copy(swap_keys.begin(), swap_keys.end(), options.swap_keys.begin());
   return options;
 }
@@ -75,16 +89,20 @@ void bind_runtime(py::module& module) {
                        const std::vector<bool>& group_amsgrad, const std::vector<bool>& swappable,
                        int64_t swap_times, int64_t num_arenas,
                        std::optional<c10::ScalarType> state_dtype, bool master_weights,
-                       bool pin_memory, bool keep_arenas, const std::vector<bool>& swap_keys) {
+                       bool pin_memory, bool keep_arenas, const std::vector<bool>& swap_keys,
+                       bool kahan_summation, std::optional<int64_t> rounding_seed,
+                       std::vector<int64_t> global_offsets) {
              return std::make_unique<SwapRuntime>(
                  std::move(params), std::move(group_of_param), group_amsgrad, swappable,
                  make_options(swap_times, num_arenas, state_dtype, master_weights, pin_memory,
-                              keep_arenas, swap_keys));
+                              keep_arenas, swap_keys,
+                              {kahan_summation, rounding_seed, std::move(global_offsets)}));
            }),
            py::arg("params"), py::arg("group_of_param"), py::arg("group_amsgrad"),
            py::arg("swappable"), py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"),
            py::arg("state_dtype"), py::arg("master_weights"), py::arg("pin_memory"),
-           py::arg("keep_arenas"), py::arg("swap_keys"))
+           py::arg("keep_arenas"), py::arg("swap_keys"), py::arg("kahan_summation") = false,
+           py::arg("rounding_seed") = py::none(), py::arg("global_offsets") = std::vector<int64_t>{})
       .def("state_views",
            [](const SwapRuntime& self, int64_t param) {
              py::dict views;
@@ -134,8 +152,14 @@ void bind_runtime(py::module& module) {
              stats["num_arenas"] = s.num_arenas;
              stats["split_params"] = s.split_params;
              stats["unpinned_host_bytes"] = s.unpinned_host_bytes;
+             // What one swapped param element costs the link, states, scales and step table included.
+             stats["bytes_per_param_each_way"] =
+                 s.swapped_elements > 0 ? static_cast<double>(self.plan().moved_bytes) / s.swapped_elements : 0.0;
              return stats;
            })
+      .def("set_rounding_seed", &SwapRuntime::set_rounding_seed, py::arg("seed"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Reseeds the stochastic rounding of bf16 moments (a loaded checkpoint's seed).")
       .def("batch_plan", [](const SwapRuntime& self) { return batch_plan(self.plan()); },
            "The batches in pipeline order: param indices, pieces (param, element offset, count), the bytes "
            "each moves each way and its arena bytes.")
@@ -179,9 +203,9 @@ void bind_runtime(py::module& module) {
       [](const std::vector<at::Tensor>& params, const std::vector<int64_t>& group_of_param,
          const std::vector<bool>& group_amsgrad, const std::vector<bool>& swappable, int64_t swap_times,
          int64_t num_arenas, std::optional<c10::ScalarType> state_dtype, bool master_weights,
-         const std::vector<bool>& swap_keys) {
-        const RuntimeOptions options =
-            make_options(swap_times, num_arenas, state_dtype, master_weights, true, false, swap_keys);
+         const std::vector<bool>& swap_keys, bool kahan_summation) {
+        const RuntimeOptions options = make_options(swap_times, num_arenas, state_dtype, master_weights, true,
+                                                    false, swap_keys, {kahan_summation, std::nullopt, {}});
         const runtime::StorePlan plan = runtime::plan_store(
             runtime::make_slot_specs(params, group_of_param, group_amsgrad, swappable, options), options.swap_keys,
             swap_times);
@@ -193,12 +217,13 @@ void bind_runtime(py::module& module) {
         summary["resident_state_bytes"] = plan.resident_store_bytes;
         summary["batches"] = plan.rotating_batches;
         summary["split_params"] = plan.split_params;
+        summary["moved_bytes"] = plan.moved_bytes;
         summary["plan"] = batch_plan(plan);
         return summary;
       },
       py::arg("params"), py::arg("group_of_param"), py::arg("group_amsgrad"), py::arg("swappable"),
       py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"), py::arg("state_dtype"),
-      py::arg("master_weights"), py::arg("swap_keys"),
+      py::arg("master_weights"), py::arg("swap_keys"), py::arg("kahan_summation") = false,
       "The layout a SwapRuntime would use, without allocating it: host, staging and resident bytes, batches, "
       "split params and the batch plan. Params may be meta tensors (only numel and dtype are read).");
 
@@ -207,9 +232,9 @@ void bind_runtime(py::module& module) {
       [](const std::vector<at::Tensor>& params, const std::vector<int64_t>& group_of_param,
          const std::vector<bool>& group_amsgrad, const std::vector<bool>& swappable,
          std::optional<c10::ScalarType> state_dtype, bool master_weights,
-         const std::vector<bool>& swap_keys, int64_t num_arenas, int64_t budget_bytes) {
-        const RuntimeOptions options =
-            make_options(1, num_arenas, state_dtype, master_weights, true, false, swap_keys);
+         const std::vector<bool>& swap_keys, int64_t num_arenas, int64_t budget_bytes, bool kahan_summation) {
+        const RuntimeOptions options = make_options(1, num_arenas, state_dtype, master_weights, true, false,
+                                                    swap_keys, {kahan_summation, std::nullopt, {}});
         int64_t smallest_possible = 0;
         const int64_t swap_times = runtime::smallest_swap_times_for_budget(
             runtime::make_slot_specs(params, group_of_param, group_amsgrad, swappable, options),
@@ -218,8 +243,19 @@ void bind_runtime(py::module& module) {
       },
       py::arg("params"), py::arg("group_of_param"), py::arg("group_amsgrad"), py::arg("swappable"),
       py::kw_only(), py::arg("state_dtype"), py::arg("master_weights"), py::arg("swap_keys"),
-      py::arg("num_arenas"), py::arg("budget_bytes"),
+      py::arg("num_arenas"), py::arg("budget_bytes"), py::arg("kahan_summation") = false,
       "(swap_times, smallest staging bytes possible): swap_times is -1 when nothing fits.");
+
+  module.def(
+      "code_maps",
+      [] {
+        const CodeMaps& maps = code_maps();
+        auto values = [](const CodeMap& map) {
+          return at::tensor(c10::ArrayRef<float>(map.values, kCodes)).clone();
+        };
+        return std::make_tuple(values(maps.signed_map), values(maps.unsigned_map));
+      },
+      "(signed, unsigned): the 256 values of the 8-bit code maps (exp_avg; exp_avg_sq and max_exp_avg_sq).");
 }
 
 }  // namespace swap_optimizer

@@ -42,6 +42,7 @@ struct AdamHyper {
 struct StepScalars {
   float neg_step_size;          // -lr / (1 - beta1^step)
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  uint32_t step;                // the count this update makes (keys stochastic rounding)
 };
 
 // The functions below have internal linkage: the CPU kernel is compiled once per
@@ -58,6 +59,7 @@ SWAP_HOST_DEVICE inline StepScalars make_step_scalars(double lr, double beta1,
   StepScalars scalars;
   scalars.neg_step_size = static_cast<float>(-(lr / bias_correction1));
   scalars.bias_correction2_sqrt = static_cast<float>(sqrt(bias_correction2));
+  scalars.step = static_cast<uint32_t>(step);
   return scalars;
 }
 

@@ -1,6 +1,8 @@
 #include "packed_layout.h"
 
 #include "adam_math.h"
+#include "compact_update.h"
+#include "state_codec.h"
 
 #include <c10/util/Exception.h>
 
@@ -50,7 +52,8 @@ std::vector<ParamRegions> validate_packed_update(
     const at::Tensor& layout, const at::Tensor& steps,
     std::optional<c10::ScalarType> state_dtype, const PackedUpdateArgs& args,
     const std::optional<at::Tensor>& grad_scale,
-    const std::optional<at::Tensor>& found_inf) {
+    const std::optional<at::Tensor>& found_inf,
+    std::optional<int64_t> rounding_seed) {
   const int64_t count = static_cast<int64_t>(params.size());
   TORCH_CHECK_VALUE(static_cast<int64_t>(grads.size()) == count,
                     "fused_adam_packed: got ", count, " params but ", grads.size(),
@@ -60,7 +63,8 @@ std::vector<ParamRegions> validate_packed_update(
                     "fused_adam_packed: layout must be a CPU int64 tensor of shape [",
                     count, ", ", static_cast<int64_t>(kLayoutColumns),
                     "] (exp_avg, exp_avg_sq, max_exp_avg_sq, master, numel, param_offset, step_index, "
-                    "advance_step), got ",
+                    "advance_step, exp_avg_absmax, exp_avg_sq_absmax, max_exp_avg_sq_absmax, compensation, "
+                    "random_key, global_offset), got ",
                     layout.scalar_type(), " ", layout.sizes(), " on ", layout.device());
   TORCH_CHECK_VALUE(layout.size(0) == count, "fused_adam_packed: layout has ",
                     layout.size(0), " rows but there are ", count, " params");
@@ -70,9 +74,13 @@ std::vector<ParamRegions> validate_packed_update(
                     "fused_adam_packed: arena must be a contiguous 1-D uint8 tensor, got ",
                     arena.scalar_type(), " ", arena.sizes(),
                     arena.is_contiguous() ? "" : " (not contiguous)");
-  TORCH_CHECK_VALUE(!state_dtype.has_value() || is_supported_float(*state_dtype),
-                    "fused_adam_packed: state_dtype must be float32, bfloat16 or float16, got ",
-                    *state_dtype);
+  TORCH_CHECK_VALUE(!state_dtype.has_value() || is_supported_float(*state_dtype) ||
+                        *state_dtype == c10::kByte,
+                    "fused_adam_packed: state_dtype must be float32, bfloat16, float16 or uint8 (8-bit "
+                    "blockwise), got ", *state_dtype);
+  TORCH_CHECK_VALUE(!rounding_seed.has_value() || state_dtype == c10::kBFloat16,
+                    "fused_adam_packed: rounding_seed rounds bfloat16 states stochastically; pass it only "
+                    "with state_dtype=torch.bfloat16");
   check_update_args(args);
 
   const at::Device device = arena.device();
@@ -136,20 +144,34 @@ std::vector<ParamRegions> validate_packed_update(
 
     ParamRegions region;
     region.param_dtype = param.scalar_type();
-    region.state_dtype = state_dtype.value_or(param.scalar_type());
-    TORCH_CHECK_VALUE(region.state_dtype == param.scalar_type() ||
-                          region.state_dtype == c10::kFloat,
-                      "fused_adam_packed: param ", i, " is ", param.scalar_type(),
-                      " so its states must be ", param.scalar_type(), " or float32, not ",
-                      region.state_dtype);
-    region.numel = numel;
-    region.param_offset = param_offset;
-    region.step_index = step_index;
-    region.advance_step = row[kAdvanceStep] == 1;
     region.exp_avg = row[kExpAvgOffset];
     region.exp_avg_sq = row[kExpAvgSqOffset];
     region.max_exp_avg_sq = row[kMaxExpAvgSqOffset];
     region.master = row[kMasterOffset];
+    region.absmax[0] = row[kExpAvgAbsmaxOffset];
+    region.absmax[1] = row[kExpAvgSqAbsmaxOffset];
+    region.absmax[2] = row[kMaxExpAvgSqAbsmaxOffset];
+    region.compensation = row[kCompensationOffset];
+    region.random_key = row[kRandomKey];
+    region.global_offset = row[kGlobalOffset];
+    // With state_dtype uint8, rows with absmax offsets hold 8-bit codes; the
+    // others (params too small to quantize) keep states in the param's dtype.
+    const bool quantized = state_dtype == c10::kByte && region.absmax[0] != kAbsent;
+    region.state_dtype = quantized ? c10::kByte
+                         : state_dtype == c10::kByte ? param.scalar_type()
+                                                     : state_dtype.value_or(param.scalar_type());
+    TORCH_CHECK_VALUE(region.state_dtype == param.scalar_type() || region.state_dtype == c10::kFloat ||
+                          region.state_dtype == c10::kBFloat16 || quantized,
+                      "fused_adam_packed: param ", i, " is ", param.scalar_type(),
+                      " so its states must be in its dtype, float32 or bfloat16 (or 8-bit, with state_dtype "
+                      "uint8), not ", region.state_dtype);
+    TORCH_CHECK_VALUE(region.random_key >= 0 && region.global_offset >= 0, "fused_adam_packed: param ", i,
+                      "'s random_key and global_offset must be >= 0, got ", region.random_key, " and ",
+                      region.global_offset);
+    region.numel = numel;
+    region.param_offset = param_offset;
+    region.step_index = step_index;
+    region.advance_step = row[kAdvanceStep] == 1;
 
     const int64_t state_size = c10::elementSize(region.state_dtype);
     check_region(i, "exp_avg", region.exp_avg, numel, state_size, arena_nbytes, ranges);
@@ -165,6 +187,31 @@ std::vector<ParamRegions> validate_packed_update(
       TORCH_CHECK_VALUE(param.scalar_type() != c10::kFloat, "fused_adam_packed: param ", i,
                         " is float32 and needs no master copy; set its master offset to -1");
       check_region(i, "master", region.master, numel, sizeof(float), arena_nbytes, ranges);
+    }
+    const char* absmax_names[3] = {"exp_avg_absmax", "exp_avg_sq_absmax", "max_exp_avg_sq_absmax"};
+    for (int k = 0; k < 3; ++k) {
+      const bool kept = k < 2 || args.amsgrad;
+      if (quantized && kept) {
+        check_region(i, absmax_names[k], region.absmax[k], (numel + kQuantBlock - 1) / kQuantBlock,
+                     sizeof(float), arena_nbytes, ranges);
+      } else {
+        TORCH_CHECK_VALUE(region.absmax[k] == kAbsent, "fused_adam_packed: param ", i, " has an ",
+                          absmax_names[k], " offset but ",
+                          quantized ? "amsgrad is off" : "its states are not 8-bit (state_dtype uint8 "
+                                                         "and an exp_avg_absmax offset)",
+                          "; set it to -1");
+      }
+    }
+    if (quantized) {
+      TORCH_CHECK_VALUE(param_offset % kQuantBlock == 0, "fused_adam_packed: param ", i,
+                        " has 8-bit states, so its row must start on a block of ", kQuantBlock,
+                        " elements; param_offset ", param_offset, " does not");
+    }
+    if (region.compensation != kAbsent) {
+      TORCH_CHECK_VALUE(param.scalar_type() != c10::kFloat && region.master == kAbsent,
+                        "fused_adam_packed: param ", i, " has a compensation buffer, which only a 16-bit param "
+                        "without a master copy keeps; set its compensation offset to -1");
+      check_region(i, "compensation", region.compensation, numel, param.element_size(), arena_nbytes, ranges);
     }
     regions.push_back(region);
   }
@@ -206,6 +253,7 @@ void check_amp_scalar(const std::optional<at::Tensor>& tensor, const char* name,
 }
 
 DtypePair dtype_pair(const ParamRegions& regions) {
+  TORCH_INTERNAL_ASSERT(regions.state_dtype != c10::kByte, "8-bit rows run the compact loops");
   const bool float_state = regions.state_dtype == c10::kFloat;
   switch (regions.param_dtype) {
     case c10::kBFloat16: return float_state ? DtypePair::kBFloat16FloatState : DtypePair::kBFloat16;
@@ -227,6 +275,33 @@ AdamHyper make_adam_hyper(const PackedUpdateArgs& args) {
   hyper.amsgrad = args.amsgrad;
   hyper.maximize = args.maximize;
   return hyper;
+}
+
+CompactRow make_compact_row(const ParamRegions& r, uint8_t* arena_base, const at::Tensor& param,
+                            const at::Tensor& grad, std::optional<int64_t> rounding_seed,
+                            int32_t scalars_index) {
+  auto at_offset = [arena_base](int64_t offset) -> void* {
+    return offset == kAbsent ? nullptr : arena_base + offset;
+  };
+  const int64_t skip = r.param_offset * static_cast<int64_t>(c10::elementSize(r.param_dtype));
+  CompactRow row{};
+  row.param = static_cast<uint8_t*>(param.data_ptr()) + skip;
+  row.grad = static_cast<const uint8_t*>(grad.const_data_ptr()) + skip;
+  const int64_t moments[3] = {r.exp_avg, r.exp_avg_sq, r.max_exp_avg_sq};
+  for (int k = 0; k < 3; ++k) {
+    row.moment[k] = at_offset(moments[k]);
+    row.absmax[k] = static_cast<float*>(at_offset(r.absmax[k]));
+    row.rounding_key[k] = rounding_seed.has_value()
+                              ? rounding_key(static_cast<uint64_t>(*rounding_seed), r.random_key, k)
+                              : 0;
+  }
+  row.master = static_cast<float*>(at_offset(r.master));
+  row.compensation = at_offset(r.compensation);
+  row.numel = r.numel;
+  row.global_offset = r.global_offset;
+  row.scalars_index = scalars_index;
+  row.stochastic = rounding_seed.has_value() && r.state_dtype == c10::kBFloat16 ? 1 : 0;
+  return row;
 }
 
 }  // namespace swap_optimizer

@@ -19,6 +19,15 @@ namespace swap_optimizer {
 // steps[step_index], read as the step before this one, and written back
 // incremented only when advance_step is 1 (the last piece of a split param, or
 // a whole param), so every piece of a param uses the same step.
+//
+// Compact states (state_codec.h): a row whose moments are 8-bit codes (only
+// with state_dtype uint8) has an absmax offset per kept moment: one float32 per
+// block of kQuantBlock elements from the row's first element (param_offset is
+// then a multiple of kQuantBlock); a row of a 16-bit param may keep a Kahan
+// compensation buffer in the param's dtype. Stochastic rounding (a
+// rounding_seed) draws for element i of the row with param index random_key and
+// global index global_offset + i (the element's index in the whole param, also
+// under sharding).
 enum LayoutColumn : int64_t {
   kExpAvgOffset = 0,
   kExpAvgSqOffset = 1,
@@ -28,7 +37,13 @@ enum LayoutColumn : int64_t {
   kParamOffset = 5,
   kStepIndex = 6,
   kAdvanceStep = 7,
-  kLayoutColumns = 8,
+  kExpAvgAbsmaxOffset = 8,
+  kExpAvgSqAbsmaxOffset = 9,
+  kMaxExpAvgSqAbsmaxOffset = 10,
+  kCompensationOffset = 11,
+  kRandomKey = 12,
+  kGlobalOffset = 13,
+  kLayoutColumns = 14,
 };
 constexpr int64_t kAbsent = -1;
 
@@ -39,12 +54,24 @@ struct ParamRegions {
   int64_t exp_avg_sq;
   int64_t max_exp_avg_sq;  // kAbsent unless amsgrad
   int64_t master;          // kAbsent unless the fp32 master copy is kept
+  int64_t absmax[3];       // per moment (exp_avg, exp_avg_sq, max): kAbsent unless 8-bit
+  int64_t compensation;    // kAbsent unless a Kahan buffer is kept
+  int64_t random_key;      // the param's index for stochastic rounding
+  int64_t global_offset;   // the global index of the row's first element
   int64_t numel;           // elements this row updates
   int64_t param_offset;    // its first element in the param and grad
   int64_t step_index;      // into the steps tensor
   bool advance_step;
   c10::ScalarType param_dtype;
-  c10::ScalarType state_dtype;
+  c10::ScalarType state_dtype;  // kByte: 8-bit codes with absmax blocks
+
+  bool quantized() const { return state_dtype == c10::kByte; }
+  // Rows the plain element loops (dtype_pair) do not run: 8-bit moments, bf16
+  // moments of another dtype's param or stochastically rounded, a Kahan buffer.
+  bool compact(bool stochastic) const {
+    return quantized() || compensation != kAbsent ||
+           (state_dtype == c10::kBFloat16 && (stochastic || param_dtype != c10::kBFloat16));
+  }
 };
 
 // The (param dtype, state dtype) combinations the kernels are built for; each
@@ -87,9 +114,17 @@ std::vector<ParamRegions> validate_packed_update(
     const at::Tensor& layout, const at::Tensor& steps,
     std::optional<c10::ScalarType> state_dtype, const PackedUpdateArgs& args,
     const std::optional<at::Tensor>& grad_scale,
-    const std::optional<at::Tensor>& found_inf);
+    const std::optional<at::Tensor>& found_inf,
+    std::optional<int64_t> rounding_seed);
 
 struct AdamHyper;
 AdamHyper make_adam_hyper(const PackedUpdateArgs& args);
+
+// The pointers of a compact row (compact_update.h): arena offsets resolved
+// against `arena_base`, param and grad advanced to the row's first element.
+struct CompactRow;
+CompactRow make_compact_row(const ParamRegions& regions, uint8_t* arena_base, const at::Tensor& param,
+                            const at::Tensor& grad, std::optional<int64_t> rounding_seed,
+                            int32_t scalars_index);
 
 }  // namespace swap_optimizer

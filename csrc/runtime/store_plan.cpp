@@ -28,36 +28,27 @@ int64_t greedy_part_count(const std::vector<int64_t>& costs, int64_t capacity) {
   return count;
 }
 
-bool key_kept(const SlotSpec& slot, int key) {
-  switch (key) {
-    case kMaxExpAvgSq: return slot.amsgrad;
-    case kMaster: return slot.master;
-    default: return true;
+// Bytes of one granule of a slot's kept states (exact: absmax blocks divide it).
+int64_t granule_bytes(const SlotSpec& slot) {
+  int64_t bytes = 0;
+  for (int key = 0; key < kStateKeyCount; ++key) {
+    if (key_kept(slot, key)) bytes += key_bytes(slot, key, kSplitGranule);
   }
+  return bytes;
 }
-
-int64_t key_width(const SlotSpec& slot, int key) { return key == kMaster ? 4 : slot.state_element_size; }
 
 // Arena bytes of `count` elements of a slot: every kept state on its own aligned region.
 int64_t piece_cost(const SlotSpec& slot, int64_t count) {
   int64_t cost = 0;
   for (int key = 0; key < kStateKeyCount; ++key) {
-    if (key_kept(slot, key)) cost += align_up(count * key_width(slot, key), kRegionAlignment);
+    if (key_kept(slot, key)) cost += align_up(key_bytes(slot, key, count), kRegionAlignment);
   }
   return cost;
 }
 
-int64_t bytes_per_element(const SlotSpec& slot) {
-  int64_t bytes = 0;
-  for (int key = 0; key < kStateKeyCount; ++key) {
-    if (key_kept(slot, key)) bytes += key_width(slot, key);
-  }
-  return bytes;
-}
-
 int64_t min_piece_elements(const SlotSpec& slot) {
-  const int64_t per_element = bytes_per_element(slot);
-  return align_up((kMinPieceBytes + per_element - 1) / per_element, kSplitGranule);
+  const int64_t per_granule = granule_bytes(slot);
+  return (kMinPieceBytes + per_granule - 1) / per_granule * kSplitGranule;
 }
 
 PieceBatches whole_param_batches(const std::vector<SlotSpec>& specs, const std::vector<int64_t>& slots,
@@ -86,7 +77,7 @@ PieceBatches fill_with_splits(const std::vector<SlotSpec>& specs, const std::vec
   for (int64_t slot : slots) {
     const SlotSpec& spec = specs[slot];
     const int64_t min_piece = min_piece_elements(spec);
-    const int64_t per_element = bytes_per_element(spec);
+    const int64_t per_granule = granule_bytes(spec);
     if (spec.numel == 0) {  // nothing to move, but it has (empty) states and a step count
       batches.back().push_back({slot, 0, 0});
       continue;
@@ -103,7 +94,7 @@ PieceBatches fill_with_splits(const std::vector<SlotSpec>& specs, const std::vec
       if (remaining >= 2 * min_piece) {
         // The largest granule-aligned head that fits, leaving at least a piece behind
         // (a multiple of the granule has no alignment padding).
-        int64_t head = std::max<int64_t>(room, 0) / per_element / kSplitGranule * kSplitGranule;
+        int64_t head = std::max<int64_t>(room, 0) / per_granule * kSplitGranule;
         head = std::min(head, (remaining - min_piece) / kSplitGranule * kSplitGranule);
         if (head < min_piece && used == 0) head = min_piece;  // the capacity is below one piece
         if (head >= min_piece) {
@@ -184,30 +175,37 @@ int64_t place_whole(const SlotSpec& spec, const std::vector<int>& keys, int64_t 
     cursor = align_up(cursor, kRegionAlignment);
     if (arena_offset != nullptr) (*arena_offset)[key] = cursor;
     placement.home[key] = {region, home_base + cursor};
-    cursor += spec.numel * key_width(spec, key);
+    cursor += key_bytes(spec, key, spec.numel);
   }
   return cursor;
 }
 
+// Whether two states of a slot lie alike at home and in the arena: the same
+// bytes for a piece and for the whole param, so one strided copy moves both.
+bool same_shape(const SlotSpec& spec, int a, int b, int64_t count) {
+  return key_bytes(spec, a, count) == key_bytes(spec, b, count) &&
+         key_bytes(spec, a, spec.numel) == key_bytes(spec, b, spec.numel);
+}
+
 // Lays a piece of a split param's states from `cursor` and adds the copies that
-// move them from their homes: one strided copy per run of states of equal
-// width (their rows lie at one pitch at home and in the arena). Returns the end.
+// move them from their homes: one strided copy per run of alike states (their
+// rows lie at one pitch at home and in the arena). Returns the end.
 int64_t place_piece(const SlotSpec& spec, const std::vector<int>& keys, const SlotPlacement& placement,
                     int64_t cursor, PieceRow& row, std::vector<RegionCopy>& copies) {
   size_t k = 0;
   while (k < keys.size()) {
-    const int64_t width = key_width(spec, keys[k]);
     size_t end = k + 1;
-    while (end < keys.size() && key_width(spec, keys[end]) == width) ++end;
+    while (end < keys.size() && same_shape(spec, keys[k], keys[end], row.count)) ++end;
+    const int64_t width = key_bytes(spec, keys[k], row.count);
     cursor = align_up(cursor, kRegionAlignment);
-    const int64_t arena_pitch = align_up(row.count * width, kRegionAlignment);
+    const int64_t arena_pitch = align_up(width, kRegionAlignment);
     const StateHome& first = placement.home[keys[k]];
-    copies.push_back({first.region, first.offset + row.element_offset * width,
-                      align_up(spec.numel * width, kRegionAlignment), cursor, arena_pitch,
-                      row.count * width, static_cast<int64_t>(end - k)});
+    copies.push_back({first.region, first.offset + key_bytes(spec, keys[k], row.element_offset),
+                      align_up(key_bytes(spec, keys[k], spec.numel), kRegionAlignment), cursor, arena_pitch,
+                      width, static_cast<int64_t>(end - k)});
     for (size_t r = k; r < end; ++r) {
       row.arena_offset[keys[r]] = cursor;
-      cursor += r + 1 < end ? arena_pitch : row.count * width;
+      cursor += r + 1 < end ? arena_pitch : width;
     }
     k = end;
   }
@@ -215,6 +213,29 @@ int64_t place_piece(const SlotSpec& spec, const std::vector<int>& keys, const Sl
 }
 
 }  // namespace
+
+bool key_kept(const SlotSpec& slot, int key) {
+  switch (key) {
+    case kMaxExpAvgSq: return slot.amsgrad;
+    case kMaster: return slot.master;
+    case kExpAvgAbsmax:
+    case kExpAvgSqAbsmax: return slot.quantized;
+    case kMaxExpAvgSqAbsmax: return slot.quantized && slot.amsgrad;
+    case kCompensation: return slot.compensation_element_size > 0;
+    default: return true;
+  }
+}
+
+int64_t key_bytes(const SlotSpec& slot, int key, int64_t count) {
+  switch (key) {
+    case kMaster: return count * 4;
+    case kExpAvgAbsmax:
+    case kExpAvgSqAbsmax:
+    case kMaxExpAvgSqAbsmax: return (count + kScaleBlock - 1) / kScaleBlock * 4;
+    case kCompensation: return count * slot.compensation_element_size;
+    default: return count * slot.state_element_size;
+  }
+}
 
 int64_t finest_swap_times(const std::vector<SlotSpec>& specs) {
   int64_t slots = 0, total = 0;

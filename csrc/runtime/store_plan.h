@@ -25,7 +25,28 @@ constexpr int64_t kSplitGranule = 256;
 // large swap_times cannot turn a step into thousands of tiny copies.
 constexpr int64_t kMinPieceBytes = int64_t{64} << 10;
 
-enum StateKey : int { kExpAvg = 0, kExpAvgSq = 1, kMaxExpAvgSq = 2, kMaster = 3, kStateKeyCount = 4 };
+// Params with fewer elements keep unquantized states under 8-bit moments (as
+// bitsandbytes and torchao do): their blocks' scales would cost more than the
+// codes save, and they are often norms and biases that want precise moments.
+constexpr int64_t kMinQuantizedNumel = 4096;
+// Elements per absmax scale of 8-bit moments (kQuantBlock in state_codec.h).
+constexpr int64_t kScaleBlock = 256;
+static_assert(kSplitGranule % kScaleBlock == 0, "pieces start on whole scale blocks");
+
+// The states a param may keep. With 8-bit moments, kExpAvg..kMaxExpAvgSq hold
+// codes and each has a float32 absmax per block in the key kScaleKeyOffset on.
+enum StateKey : int {
+  kExpAvg = 0,
+  kExpAvgSq = 1,
+  kMaxExpAvgSq = 2,
+  kMaster = 3,
+  kExpAvgAbsmax = 4,
+  kExpAvgSqAbsmax = 5,
+  kMaxExpAvgSqAbsmax = 6,
+  kCompensation = 7,  // Kahan summation buffer, in the param's dtype
+  kStateKeyCount = 8,
+};
+constexpr int kScaleKeyOffset = kExpAvgAbsmax - kExpAvg;
 using KeyFlags = std::array<bool, kStateKeyCount>;
 using KeyOffsets = std::array<int64_t, kStateKeyCount>;
 
@@ -35,7 +56,14 @@ struct SlotSpec {
   bool amsgrad;                // keeps max_exp_avg_sq
   bool master;                 // keeps an fp32 master copy
   bool swappable;              // false: all its states stay in the resident store
+  bool quantized = false;      // 8-bit moments (state_element_size 1) with absmax blocks
+  int64_t compensation_element_size = 0;  // > 0: keeps a Kahan buffer of this element size
 };
+
+// Whether a slot keeps state `key`, and the bytes of `count` of its elements
+// of it (from a multiple of kScaleBlock, for the absmax keys).
+bool key_kept(const SlotSpec& slot, int key);
+int64_t key_bytes(const SlotSpec& slot, int key, int64_t count);
 
 // Host region 0 is the step table: one float32 per param, at 4 * param index,
 // copied to a device step table at the start of a step and back at its end.

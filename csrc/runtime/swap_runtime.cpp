@@ -21,7 +21,7 @@ namespace {
 using FusedAdamPackedFn =
     void(at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&, const at::Tensor&,
          double, double, double, double, double, bool, bool, bool, std::optional<c10::ScalarType>,
-         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<int64_t>);
 
 const c10::TypedOperatorHandle<FusedAdamPackedFn>& fused_adam_packed_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -30,11 +30,17 @@ const c10::TypedOperatorHandle<FusedAdamPackedFn>& fused_adam_packed_op() {
   return op;
 }
 
-constexpr const char* kStateNames[kStateKeyCount] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq",
-                                                     "master_param"};
+constexpr const char* kStateNames[kStateKeyCount] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param",
+                                                     "exp_avg_absmax", "exp_avg_sq_absmax",
+                                                     "max_exp_avg_sq_absmax", "compensation"};
+// The moments' names when they hold 8-bit codes: never the plain names, which
+// torch.optim would read as values.
+constexpr const char* kCodeNames[3] = {"exp_avg_codes", "exp_avg_sq_codes", "max_exp_avg_sq_codes"};
 
+// The dtype of a param's unquantized moments.
 c10::ScalarType state_dtype_of(const RuntimeOptions& options, c10::ScalarType param_dtype) {
-  return options.state_dtype.value_or(param_dtype);
+  if (!options.state_dtype.has_value() || *options.state_dtype == at::kByte) return param_dtype;
+  return *options.state_dtype;
 }
 
 // A tensor over bytes [offset, offset + its size) of `base` with a storage of
@@ -67,9 +73,17 @@ std::vector<SlotSpec> make_slot_specs(const std::vector<at::Tensor>& params,
     TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                      "SwapOptimizer: param ", i, " has dtype ", dtype,
                      "; supported are float32, bfloat16 and float16");
-    specs.push_back({param.numel(), static_cast<int64_t>(c10::elementSize(state_dtype_of(options, dtype))),
-                     static_cast<bool>(group_amsgrad[group]),
-                     options.master_weights && dtype != at::kFloat, static_cast<bool>(swappable[i])});
+    SlotSpec spec{param.numel(), static_cast<int64_t>(c10::elementSize(state_dtype_of(options, dtype))),
+                  static_cast<bool>(group_amsgrad[group]), options.master_weights && dtype != at::kFloat,
+                  static_cast<bool>(swappable[i])};
+    if (options.state_dtype == at::kByte && param.numel() >= kMinQuantizedNumel) {
+      spec.quantized = true;
+      spec.state_element_size = 1;
+    }
+    if (options.kahan_summation && dtype != at::kFloat) {
+      spec.compensation_element_size = static_cast<int64_t>(c10::elementSize(dtype));
+    }
+    specs.push_back(spec);
   }
   return specs;
 }
@@ -254,7 +268,8 @@ class SwapRuntime::Step final : public BatchWork {
     }
     fused_adam_packed_op().call(params, grads, arena, layout, runtime_.device_steps_, args.lr, args.beta1,
                                 args.beta2, args.eps, args.weight_decay, args.amsgrad, args.maximize,
-                                args.decoupled_weight_decay, runtime_.options_.state_dtype, grad_scale_, found_inf_);
+                                args.decoupled_weight_decay, runtime_.options_.state_dtype, grad_scale_, found_inf_,
+                                runtime_.options_.rounding_seed);
     for (auto& [param, updated] : write_back) param.copy_(updated);
   }
 
@@ -289,6 +304,11 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
     param_shape_.push_back(params_[i].sizes().vec());
   }
 
+  TORCH_CHECK_VALUE(options_.global_offsets.empty() || options_.global_offsets.size() == params_.size(),
+                    "SwapRuntime: one global offset per param, or none");
+  TORCH_CHECK_VALUE(!options_.kahan_summation || !options_.master_weights,
+                    "SwapOptimizer: kahan_summation and master_weights both keep the rounding error of 16-bit "
+                    "params; choose one");
   specs_ = make_slot_specs(params_, group_of_param_, group_amsgrad_, swappable, options_);
   plan_ = plan_store(specs_, options_.swap_keys, options_.swap_times);
   // Streams, events, pinned slabs and the resident store belong to the params' device.
@@ -328,7 +348,9 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
     for (int64_t k = 0; k < count; ++k) {
       const PieceRow& piece = batch.rows[k];
       int64_t* row = rows + k * kLayoutColumns;
-      const int64_t columns[kStateKeyCount] = {kExpAvgOffset, kExpAvgSqOffset, kMaxExpAvgSqOffset, kMasterOffset};
+      const int64_t columns[kStateKeyCount] = {kExpAvgOffset,       kExpAvgSqOffset,       kMaxExpAvgSqOffset,
+                                               kMasterOffset,       kExpAvgAbsmaxOffset,   kExpAvgSqAbsmaxOffset,
+                                               kMaxExpAvgSqAbsmaxOffset, kCompensationOffset};
       for (int key = 0; key < kStateKeyCount; ++key) {
         row[columns[key]] = piece.arena_offset[key] == kNoOffset ? kAbsent : piece.arena_offset[key];
       }
@@ -336,6 +358,8 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
       row[kParamOffset] = piece.element_offset;
       row[kStepIndex] = piece.step_index;
       row[kAdvanceStep] = piece.advances_step ? 1 : 0;
+      row[kRandomKey] = piece.slot;
+      row[kGlobalOffset] = global_offset(piece.slot) + piece.element_offset;
     }
     layouts_.push_back(layout);
   }
@@ -547,6 +571,13 @@ void SwapRuntime::synchronize() {
   step_pending_ = false;
 }
 
+void SwapRuntime::set_rounding_seed(int64_t seed) {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  TORCH_CHECK_VALUE(options_.rounding_seed.has_value(), "SwapRuntime: stochastic rounding is off (state_dtype is "
+                    "not bfloat16); there is no seed to set");
+  options_.rounding_seed = seed;
+}
+
 MemoryStats SwapRuntime::memory_stats() const {
   MemoryStats stats = stats_;
   stats.host_state_bytes = plan_.host_bytes;
@@ -555,6 +586,7 @@ MemoryStats SwapRuntime::memory_stats() const {
   stats.pinned = pinned_;
   stats.unpinned_host_bytes = unpinned_bytes_;
   stats.resident_state_bytes = plan_.resident_store_bytes;
+  for (const SlotSpec& spec : specs_) stats.swapped_elements += spec.swappable ? spec.numel : 0;
   stats.batches = plan_.rotating_batches;
   stats.num_arenas = arena_count_;
   return stats;
@@ -565,17 +597,33 @@ void SwapRuntime::set_test_hooks(const TestHooks& hooks) {
   transport_->set_copy_delay(hooks.copy_delay_us, hooks.seed);
 }
 
+int64_t SwapRuntime::global_offset(int64_t param) const {
+  return options_.global_offsets.empty() ? 0 : options_.global_offsets[param];
+}
+
 at::Tensor SwapRuntime::state_view(int64_t param, int key) const {
   const StateHome& home = plan_.slots[param].home[key];
   if (home.offset == kNoOffset) return at::Tensor();
-  const c10::ScalarType dtype = key == kMaster ? at::kFloat : state_dtype_of(options_, param_dtype_[param]);
-  const int64_t bytes = params_[param].numel() * static_cast<int64_t>(c10::elementSize(dtype));
+  const SlotSpec& spec = specs_[param];
+  c10::ScalarType dtype = state_dtype_of(options_, param_dtype_[param]);
+  std::vector<int64_t> shape = param_shape_[param];
+  if (key == kMaster) {
+    dtype = at::kFloat;
+  } else if (key == kCompensation) {
+    dtype = param_dtype_[param];
+  } else if (key >= kExpAvgAbsmax) {  // one float32 per block
+    dtype = at::kFloat;
+    shape = {key_bytes(spec, key, spec.numel) / 4};
+  } else if (spec.quantized) {
+    dtype = at::kByte;
+  }
+  const int64_t bytes = key_bytes(spec, key, spec.numel);
   if (bytes == 0) {  // an empty param: nothing to share (the resident store may not even exist)
-    return at::empty(param_shape_[param], at::TensorOptions().dtype(dtype).device(
-                                              home.region == kResidentStore ? device_ : c10::Device(at::kCPU)));
+    return at::empty(shape, at::TensorOptions().dtype(dtype).device(
+                                home.region == kResidentStore ? device_ : c10::Device(at::kCPU)));
   }
   const at::Tensor& base = home.region == kResidentStore ? resident_store_ : host_slabs_[home.region];
-  return own_storage_view(base, home.offset, param_shape_[param], dtype);
+  return own_storage_view(base, home.offset, shape, dtype);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> SwapRuntime::state_views(int64_t param) const {
@@ -585,7 +633,8 @@ std::vector<std::pair<std::string, at::Tensor>> SwapRuntime::state_views(int64_t
   views.emplace_back("step", own_storage_view(host_slabs_[kStepTableRegion], param * kStepBytes, {}, at::kFloat));
   for (int key = 0; key < kStateKeyCount; ++key) {
     at::Tensor view = state_view(param, key);
-    if (view.defined()) views.emplace_back(kStateNames[key], std::move(view));
+    const char* name = key < kMaster && specs_[param].quantized ? kCodeNames[key] : kStateNames[key];
+    if (view.defined()) views.emplace_back(name, std::move(view));
   }
   return views;
 }

@@ -24,11 +24,18 @@ namespace swap_optimizer::runtime {
 struct RuntimeOptions {
   int64_t swap_times = 16;
   int64_t num_arenas = 2;
-  std::optional<c10::ScalarType> state_dtype;  // none: the param's dtype
+  // none: the param's dtype; kByte: 8-bit moments for params of at least
+  // kMinQuantizedNumel elements, the param's dtype for smaller ones.
+  std::optional<c10::ScalarType> state_dtype;
   bool master_weights = false;                 // fp32 master copies of 16-bit params
+  bool kahan_summation = false;                // Kahan buffers for 16-bit params
+  std::optional<int64_t> rounding_seed;        // bf16 moments round stochastically
+  // Per param: the global index of its first local element (a shard's offset
+  // in the whole param), which keys stochastic rounding; empty: all 0.
+  std::vector<int64_t> global_offsets;
   bool pin_memory = true;
   bool keep_arenas = false;
-  KeyFlags swap_keys{true, true, true, true};  // which states of swappable params go to the host
+  KeyFlags swap_keys{true, true, true, true, true, true, true, true};  // which states of swappable params go to the host
 };
 
 struct MemoryStats {
@@ -44,6 +51,7 @@ struct MemoryStats {
   int64_t num_arenas = 0; // arenas a step allocates
   int64_t split_params = 0;  // params whose elements are spread over several batches
   int64_t unpinned_host_bytes = 0;  // host store bytes that could not be pinned
+  int64_t swapped_elements = 0;     // elements of the params whose states go through staging
 };
 
 // Test hooks: random copy delays (both backends) and one injected failure.
@@ -90,7 +98,9 @@ class SwapRuntime {
 
   // Views of one param's state in the stores, named as torch.optim names them:
   // "step" (0-dim float32, host), "exp_avg", "exp_avg_sq", "max_exp_avg_sq",
-  // "master_param". Swapped states are host tensors, resident ones device tensors.
+  // "master_param"; 8-bit moments as "<name>_codes" (uint8, the param's shape)
+  // and "<name>_absmax" (float32, one per block); "compensation" (Kahan).
+  // Swapped states are host tensors, resident ones device tensors.
   std::vector<std::pair<std::string, at::Tensor>> state_views(int64_t param) const;
 
   // One optimizer step. params are the params now (the same dtypes, shapes and
@@ -123,6 +133,9 @@ class SwapRuntime {
   std::vector<int64_t> torn_params() const;
   void clear_torn();
 
+  // Reseeds stochastic rounding (a loaded checkpoint's seed), between steps.
+  void set_rounding_seed(int64_t seed);
+
   MemoryStats memory_stats() const;
   const StorePlan& plan() const { return plan_; }
   void set_test_hooks(const TestHooks& hooks);
@@ -135,6 +148,7 @@ class SwapRuntime {
   void release_arenas();
   at::Tensor arena_for(int64_t batch, int slot) const;
   at::Tensor state_view(int64_t param, int key) const;
+  int64_t global_offset(int64_t param) const;
   std::string tear_report(const Step& work, const std::optional<at::Tensor>& found_inf);
 
   std::vector<at::Tensor> params_;

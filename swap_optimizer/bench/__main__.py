@@ -14,7 +14,7 @@ import torch
 from .. import built_with_cuda
 from .model import PRESETS, GPTConfig
 from .report import Progress, table, write_json, write_plot
-from .runner import make_modes, measure_bandwidth, run_mode, torchao_offload_class
+from .runner import STATE_MODES, make_modes, measure_bandwidth, run_mode, torchao_offload_class
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -51,6 +51,15 @@ def _int_list(minimum: int):
     return parse
 
 
+def _state_modes(text: str) -> tuple[str, ...]:
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    unknown = [v for v in values if v not in STATE_MODES]
+    if not values or unknown:
+        raise argparse.ArgumentTypeError(f"expected comma-separated state modes from {', '.join(STATE_MODES)}, "
+                                         f"got {text!r}")
+    return values
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m swap_optimizer.bench",
@@ -71,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
                    help="param dtype; bf16 runs SwapOptimizer with and without fp32 master weights")
     p.add_argument("--swap-times", type=_int_list(1), default=[2, 4, 8, 16], help="comma-separated (default 2,4,8,16)")
     p.add_argument("--num-arenas", type=_int_list(2), default=[2, 3], help="comma-separated (default 2,3)")
+    p.add_argument("--state-modes", type=_state_modes, default=("default",),
+                   help=f"comma-separated state forms of the swap modes, from {', '.join(STATE_MODES)} "
+                        "(kahan ones need --dtype bf16 or fp16; default: default)")
     p.add_argument("--warmup", type=_positive_int, default=3, help="untimed steps per mode")
     p.add_argument("--repeats", type=_positive_int, default=10, help="timed steps per mode (median; at least 10)")
     p.add_argument("--quick", action="store_true", help="the micro model, one warm-up step: about 30 s on a CPU")
@@ -146,7 +158,9 @@ def main(argv=None) -> int:
 
     cpu = device.type == "cpu"
     bandwidth = measure_bandwidth(device, 64 << 20 if not cpu else 16 << 20, 5)
-    modes = make_modes(device, dtype, args.swap_times, args.num_arenas)
+    if dtype == torch.float32 and any(state.startswith("kahan") for state in args.state_modes):
+        p.error("--state-modes kahan+...: Kahan summation applies to 16-bit params; add --dtype bf16 or fp16")
+    modes = make_modes(device, dtype, args.swap_times, args.num_arenas, args.state_modes)
     print(f"swap_optimizer benchmark: {preset} GPT ({config.param_count() / 1e6:,.1f}M params, {args.dtype}), "
           f"batch {args.batch_size} x {config.seq_len} tokens on {device}; {len(modes)} modes, "
           f"median of {args.repeats} steps after {warmup} warm-up", flush=True)

@@ -39,14 +39,24 @@ def table(rows: list[dict], cpu: bool) -> str:
     resident = next((r for r in rows if r["kind"] == "resident"), None)
     memory = "runtime accounting, MiB" if cpu else "MiB"
     header = ["mode", f"peak train ({memory})", f"peak step() ({memory})", "vs resident", "step() ms",
-              "train step ms", "H2D MiB", "D2H MiB", "floor ms", "step/floor", "host MiB"]
+              "train step ms", "H2D MiB", "D2H MiB", "B/param each way", "floor ms", "step/floor",
+              "step vs default", "host MiB"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+
+    def default_of(r):  # the same batching with default (torch) state: the ratio's base
+        return next((d for d in rows if d["kind"] == "swap" and d.get("state") == "default" and not d["master_weights"]
+                     and (d["swap_times"], d["num_arenas"]) == (r["swap_times"], r["num_arenas"])), None)
+
     for r in rows:
         ratio = "-" if resident is None else f"{r['peak_train_bytes'] / resident['peak_train_bytes']:.2f}"
         over = "-" if r["step_over_floor"] is None else f"{r['step_over_floor']:.2f}"
+        per_param = r.get("bytes_per_param_each_way")
+        base = default_of(r) if r["kind"] == "swap" else None
+        versus = "-" if base is None else f"{r['step_ms'] / base['step_ms']:.2f}"
         lines.append("| " + " | ".join([r["mode"], _mib(r["peak_train_bytes"]), _mib(r["peak_step_bytes"]), ratio,
                                          _ms(r["step_ms"]), _ms(r["train_step_ms"]), _mib(r["h2d_bytes"]),
-                                         _mib(r["d2h_bytes"]), _ms(r["floor_ms"]), over, _mib(r["host_bytes"])]) + " |")
+                                         _mib(r["d2h_bytes"]), "-" if per_param is None else f"{per_param:.2f}",
+                                         _ms(r["floor_ms"]), over, versus, _mib(r["host_bytes"])]) + " |")
     return "\n".join(lines)
 
 

@@ -28,6 +28,17 @@ class Mode:
     swap_times: int = 0
     num_arenas: int = 0
     master_weights: bool = False
+    state: str = "default"  # a key of STATE_MODES
+
+
+# How a swap mode stores its state: SwapOptimizer fields ("default": as torch).
+STATE_MODES = {
+    "default": {},
+    "bf16": dict(state_dtype=torch.bfloat16),
+    "8bit": dict(state_dtype=torch.uint8),
+    "kahan+bf16": dict(state_dtype=torch.bfloat16, kahan_summation=True),
+    "kahan+8bit": dict(state_dtype=torch.uint8, kahan_summation=True),
+}
 
 
 @dataclass
@@ -64,6 +75,7 @@ class Result:
     def as_dict(self) -> dict:
         row = {"mode": self.mode.name, "kind": self.mode.kind, "swap_times": self.mode.swap_times,
                "num_arenas": self.mode.num_arenas, "master_weights": self.mode.master_weights,
+               "state": self.mode.state,
                "peak_train_bytes": self.peak_train_bytes, "peak_step_bytes": self.peak_step_bytes,
                "step_ms": self.step_seconds * 1e3, "train_step_ms": self.train_seconds * 1e3,
                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "host_bytes": self.host_bytes,
@@ -82,14 +94,16 @@ def torchao_offload_class():
     return CPUOffloadOptimizer
 
 
-def make_modes(device: torch.device, dtype: torch.dtype, swap_times: list[int], num_arenas: list[int]) -> list[Mode]:
+def make_modes(device: torch.device, dtype: torch.dtype, swap_times: list[int], num_arenas: list[int],
+               states: tuple[str, ...] = ("default",)) -> list[Mode]:
     modes = [Mode("resident", "resident")]
-    masters = [False, True] if dtype != torch.float32 else [False]
-    for master in masters:
-        for arenas in num_arenas:
-            for times in swap_times:
-                suffix = "+master" if master else ""
-                modes.append(Mode(f"swap s{times} a{arenas}{suffix}", "swap", times, arenas, master))
+    for state in states:
+        masters = [False, True] if dtype != torch.float32 and state == "default" else [False]
+        for master in masters:
+            for arenas in num_arenas:
+                for times in swap_times:
+                    suffix = ("+master" if master else "") + ("" if state == "default" else f" {state}")
+                    modes.append(Mode(f"swap s{times} a{arenas}{suffix}", "swap", times, arenas, master, state))
     if device.type == "cuda" and torchao_offload_class() is not None:
         modes.append(Mode("torchao CPUOffloadOptimizer", "torchao"))
     return modes
@@ -125,9 +139,10 @@ def build_optimizer(mode: Mode, model: GPT):
         return torch.optim.AdamW(params, lr=LR, fused=True)
     if mode.kind == "torchao":
         return torchao_offload_class()(params, torch.optim.AdamW, lr=LR, fused=True)
+    fields = STATE_MODES[mode.state] or dict(master_weights=mode.master_weights,
+                                             state_dtype=torch.float32 if mode.master_weights else None)
     return SwapOptimizer(torch.optim.AdamW(params, lr=LR), swap_times=mode.swap_times, num_arenas=mode.num_arenas,
-                         master_weights=mode.master_weights,
-                         state_dtype=torch.float32 if mode.master_weights else None)
+                         **fields)
 
 
 def resident_state_bytes(model: GPT) -> int:
@@ -180,6 +195,7 @@ def run_mode(mode: Mode, config: GPTConfig, dtype: torch.dtype, device: torch.de
         h2d, d2h, host = stats["h2d_bytes"], stats["d2h_bytes"], stats["host_state_bytes"]
         two_way = stats["num_arenas"] >= 3
         extra = {"peak_staging_bytes": stats["peak_staging_bytes"], "resident_state_bytes": stats["resident_state_bytes"],
+                 "bytes_per_param_each_way": stats["bytes_per_param_each_way"],
                  "batches": stats["batches"], "arenas_used": stats["num_arenas"], "pinned": stats["pinned"]}
     elif mode.kind == "torchao":
         # It moves grads to the host and updated params back, and keeps fp32 params and states there.

@@ -3,6 +3,7 @@
 // set this CPU offers (capability_*.cpp).
 #include "../op_registry.h"
 #include "../packed_layout.h"
+#include "compact_update_cpu.h"
 #include "cpu_update.h"
 
 #include <ATen/Version.h>
@@ -30,11 +31,12 @@ void fused_adam_packed_cpu(at::TensorList params, at::TensorList grads, const at
                            bool amsgrad, bool maximize, bool decoupled_weight_decay,
                            std::optional<c10::ScalarType> state_dtype,
                            const std::optional<at::Tensor>& grad_scale,
-                           const std::optional<at::Tensor>& found_inf) {
+                           const std::optional<at::Tensor>& found_inf,
+                           std::optional<int64_t> rounding_seed) {
   const PackedUpdateArgs args{lr, beta1, beta2, eps, weight_decay,
                               amsgrad, maximize, decoupled_weight_decay};
   const std::vector<ParamRegions> regions = validate_packed_update(
-      params, grads, arena, layout, steps, state_dtype, args, grad_scale, found_inf);
+      params, grads, arena, layout, steps, state_dtype, args, grad_scale, found_inf, rounding_seed);
   TORCH_CHECK_VALUE(arena.device().is_cpu(), "fused_adam_packed (CPU): arena is on ",
                     arena.device());
   if (found_inf.has_value() && found_inf->item<float>() != 0.f) {
@@ -49,11 +51,20 @@ void fused_adam_packed_cpu(at::TensorList params, at::TensorList grads, const at
 
   float* step_counts = steps.data_ptr<float>();
   std::array<std::vector<CpuParamWork>, static_cast<size_t>(DtypePair::kCount)> groups;
+  std::vector<CompactWork> compact;
+  std::vector<StepScalars> compact_scalars;
   for (size_t i = 0; i < regions.size(); ++i) {
     const ParamRegions& r = regions[i];
     const float next_step = step_counts[r.step_index] + 1.0f;
     if (r.advance_step) step_counts[r.step_index] = next_step;
     if (r.numel == 0) continue;
+    if (r.compact(rounding_seed.has_value())) {
+      compact.push_back({make_compact_row(r, base, params[i], grads[i], rounding_seed,
+                                          static_cast<int32_t>(compact_scalars.size())),
+                         r.param_dtype, r.state_dtype});
+      compact_scalars.push_back(make_step_scalars(lr, beta1, beta2, next_step));
+      continue;
+    }
     const int64_t element_bytes = static_cast<int64_t>(c10::elementSize(r.param_dtype));
     groups[static_cast<size_t>(dtype_pair(r))].push_back(
         {static_cast<uint8_t*>(params[i].data_ptr()) + r.param_offset * element_bytes,
@@ -66,6 +77,7 @@ void fused_adam_packed_cpu(at::TensorList params, at::TensorList grads, const at
   for (size_t g = 0; g < groups.size(); ++g) {
     if (!groups[g].empty()) update(static_cast<DtypePair>(g), groups[g], hyper, scale);
   }
+  if (!compact.empty()) update_compact_rows_cpu(compact, compact_scalars, hyper, scale);
 }
 
 }  // namespace

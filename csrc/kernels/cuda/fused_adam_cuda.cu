@@ -9,8 +9,11 @@
 // pointer of that param is 16-byte aligned, scalar accesses otherwise and for
 // the tail.
 #include "../adam_math.h"
+#include "../compact_update.h"
 #include "../packed_layout.h"
 #include "../op_registry.h"
+
+#include <cub/block/block_reduce.cuh>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -167,6 +170,74 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Rows with compact states (compact_update.h): one block per chunk of a row.
+// An 8-bit row is updated a quantization block (kThreads elements, one per
+// thread) at a time; the block's absmax is a CUB block reduction.
+static_assert(kThreads == kQuantBlock, "one thread per element of a quantization block");
+
+struct AbsmaxOp {
+  __device__ float operator()(float a, float b) const { return b > a ? b : a; }
+};
+
+template <typename param_t>
+__device__ void update_codes_chunk(const CompactRow& r, int64_t begin, int64_t end, const AdamHyper& hyper,
+                                   const StepScalars& s, const float* grad_scale, const CodeMaps& maps) {
+  using BlockReduce = cub::BlockReduce<float, kThreads>;
+  __shared__ typename BlockReduce::TempStorage temp;
+  __shared__ float block_absmax[3];
+  const int moments = hyper.amsgrad ? 3 : 2;
+  for (int64_t block = begin; block < end; block += kQuantBlock) {
+    const int64_t i = block + threadIdx.x;
+    const bool active = i < end;
+    float value[3] = {0.f, 0.f, 0.f};
+    if (active) update_code_element<param_t>(r, maps, i, hyper, s, grad_scale, value);
+    for (int k = 0; k < moments; ++k) {
+      const float absmax = BlockReduce(temp).Reduce(active ? magnitude_for_absmax(value[k]) : 0.f, AbsmaxOp{});
+      if (threadIdx.x == 0) block_absmax[k] = absmax;
+      __syncthreads();  // temp is reused by the next reduction; block_absmax is read below
+    }
+    if (threadIdx.x == 0) {
+      for (int k = 0; k < moments; ++k) r.absmax[k][block / kQuantBlock] = block_absmax[k];
+    }
+    if (active) {
+      for (int k = 0; k < moments; ++k) store_code(r, maps, k, i, value[k], block_absmax[k]);
+    }
+    __syncthreads();  // block_absmax is rewritten by the next block
+  }
+}
+
+template <typename param_t, typename state_t>
+__global__ void __launch_bounds__(kThreads)
+    compact_adam_kernel(const CompactRow* rows, const ChunkDesc* chunks, const StepScalars* scalars,
+                        AdamHyper hyper, const float* grad_scale, const float* found_inf,
+                        const CodeMaps* maps) {
+  if (found_inf != nullptr && *found_inf != 0.f) return;
+  const ChunkDesc chunk = chunks[blockIdx.x];
+  const CompactRow r = rows[chunk.desc_index];
+  const StepScalars s = scalars[r.scalars_index];
+  const int64_t begin = static_cast<int64_t>(chunk.chunk_index) * kChunkElements;
+  const int64_t end = min(begin + kChunkElements, r.numel);
+  if constexpr (std::is_same_v<state_t, uint8_t>) {
+    update_codes_chunk<param_t>(r, begin, end, hyper, s, grad_scale, *maps);
+  } else {
+    for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
+      update_value_element<param_t, state_t>(r, i, hyper, s, grad_scale);
+    }
+  }
+}
+
+// Compact rows are grouped by (param dtype, state dtype): 3 x 4 kernels.
+constexpr c10::ScalarType kParamDtypes[] = {c10::kFloat, c10::kBFloat16, c10::kHalf};
+constexpr c10::ScalarType kStateDtypes[] = {c10::kFloat, c10::kBFloat16, c10::kHalf, c10::kByte};
+constexpr int kCompactGroups = 12;
+
+int compact_group(const ParamRegions& r) {
+  int p = 0, s = 0;
+  while (kParamDtypes[p] != r.param_dtype) ++p;
+  while (kStateDtypes[s] != r.state_dtype) ++s;
+  return p * 4 + s;
+}
+
 bool aligned(const void* pointer) {
   return pointer == nullptr || reinterpret_cast<uintptr_t>(pointer) % kVectorBytes == 0;
 }
@@ -185,11 +256,12 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
                             bool decoupled_weight_decay,
                             std::optional<c10::ScalarType> state_dtype,
                             const std::optional<at::Tensor>& grad_scale,
-                            const std::optional<at::Tensor>& found_inf) {
+                            const std::optional<at::Tensor>& found_inf,
+                            std::optional<int64_t> rounding_seed) {
   const PackedUpdateArgs args{lr, beta1, beta2, eps, weight_decay,
                               amsgrad, maximize, decoupled_weight_decay};
   const std::vector<ParamRegions> regions = validate_packed_update(
-      params, grads, arena, layout, steps, state_dtype, args, grad_scale, found_inf);
+      params, grads, arena, layout, steps, state_dtype, args, grad_scale, found_inf, rounding_seed);
   TORCH_CHECK_VALUE(arena.is_cuda(), "fused_adam_packed (CUDA): arena on ", arena.device());
   const int64_t count = static_cast<int64_t>(regions.size());
   if (count == 0) return;
@@ -200,11 +272,26 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
 
   std::vector<ParamDesc> descs[kGroups];
   std::vector<ChunkDesc> chunks[kGroups];
+  std::vector<CompactRow> compact_rows[kCompactGroups];
+  std::vector<ChunkDesc> compact_chunks[kCompactGroups];
+  bool any_quantized = false;
   std::vector<StepRef> step_refs;
   for (int64_t i = 0; i < count; ++i) {
     const ParamRegions& r = regions[i];
     step_refs.push_back({r.step_index, r.advance_step ? 1 : 0});
     if (r.numel == 0) continue;
+    const int64_t chunk_count = (r.numel + kChunkElements - 1) / kChunkElements;
+    TORCH_CHECK_VALUE(chunk_count <= std::numeric_limits<int32_t>::max(),
+                      "fused_adam_packed: param ", i, " is too large");
+    if (r.compact(rounding_seed.has_value())) {
+      const int g = compact_group(r);
+      any_quantized |= r.quantized();
+      for (int64_t c = 0; c < chunk_count; ++c) {
+        compact_chunks[g].push_back({static_cast<int32_t>(compact_rows[g].size()), static_cast<int32_t>(c)});
+      }
+      compact_rows[g].push_back(make_compact_row(r, base, params[i], grads[i], rounding_seed, static_cast<int32_t>(i)));
+      continue;
+    }
     auto state_at = [&](int64_t offset) -> void* {
       return offset == kAbsent ? nullptr : base + offset;
     };
@@ -217,9 +304,6 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
     d.vectorized = aligned(d.param) && aligned(d.grad) && aligned(d.exp_avg) &&
                    aligned(d.exp_avg_sq) && aligned(d.max_exp_avg_sq) && aligned(d.master);
     const int g = static_cast<int>(dtype_pair(r));
-    const int64_t chunk_count = (r.numel + kChunkElements - 1) / kChunkElements;
-    TORCH_CHECK_VALUE(chunk_count <= std::numeric_limits<int32_t>::max(),
-                      "fused_adam_packed: param ", i, " is too large");
     for (int64_t c = 0; c < chunk_count; ++c) {
       chunks[g].push_back({static_cast<int32_t>(descs[g].size()), static_cast<int32_t>(c)});
     }
@@ -227,7 +311,8 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
   }
 
   // One host table, one H2D copy: scalars, step references, then each group's
-  // descs and chunks.
+  // descs and chunks, each compact group's rows and chunks, and the code maps
+  // when a row is 8-bit.
   const size_t step_refs_offset = round_up_bytes<StepRef>(count * sizeof(StepScalars));
   size_t bytes = round_up_bytes<ParamDesc>(step_refs_offset + count * sizeof(StepRef));
   size_t desc_offset[kGroups], chunk_offset[kGroups];
@@ -237,6 +322,16 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
     chunk_offset[g] = bytes;
     bytes = round_up_bytes<ParamDesc>(bytes + chunks[g].size() * sizeof(ChunkDesc));
   }
+  size_t compact_row_offset[kCompactGroups], compact_chunk_offset[kCompactGroups];
+  for (int g = 0; g < kCompactGroups; ++g) {
+    bytes = round_up_bytes<CompactRow>(bytes);
+    compact_row_offset[g] = bytes;
+    bytes = round_up_bytes<ChunkDesc>(bytes + compact_rows[g].size() * sizeof(CompactRow));
+    compact_chunk_offset[g] = bytes;
+    bytes += compact_chunks[g].size() * sizeof(ChunkDesc);
+  }
+  const size_t maps_offset = round_up_bytes<CodeMaps>(bytes);
+  if (any_quantized) bytes = maps_offset + sizeof(CodeMaps);
   at::Tensor host_table =
       at::empty({static_cast<int64_t>(bytes)}, arena.options().device(at::kCPU).pinned_memory(true));
   uint8_t* host = host_table.data_ptr<uint8_t>();
@@ -245,6 +340,13 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
     std::copy(descs[g].begin(), descs[g].end(), reinterpret_cast<ParamDesc*>(host + desc_offset[g]));
     std::copy(chunks[g].begin(), chunks[g].end(), reinterpret_cast<ChunkDesc*>(host + chunk_offset[g]));
   }
+  for (int g = 0; g < kCompactGroups; ++g) {
+    std::copy(compact_rows[g].begin(), compact_rows[g].end(),
+              reinterpret_cast<CompactRow*>(host + compact_row_offset[g]));
+    std::copy(compact_chunks[g].begin(), compact_chunks[g].end(),
+              reinterpret_cast<ChunkDesc*>(host + compact_chunk_offset[g]));
+  }
+  if (any_quantized) *reinterpret_cast<CodeMaps*>(host + maps_offset) = code_maps();
   at::Tensor device_table = at::empty_like(host_table, arena.options());
   device_table.copy_(host_table, /*non_blocking=*/true);
   uint8_t* table = device_table.data_ptr<uint8_t>();
@@ -275,6 +377,26 @@ void fused_adam_packed_cuda(at::TensorList params, at::TensorList grads,
   launch(c10::BFloat16{}, float{}, DtypePair::kBFloat16FloatState);
   launch(c10::Half{}, c10::Half{}, DtypePair::kHalf);
   launch(c10::Half{}, float{}, DtypePair::kHalfFloatState);
+
+  auto launch_compact = [&](auto param_tag, auto state_tag, int g) {
+    using param_t = decltype(param_tag);
+    using state_t = decltype(state_tag);
+    if (compact_chunks[g].empty()) return;
+    compact_adam_kernel<param_t, state_t><<<compact_chunks[g].size(), kThreads, 0, stream>>>(
+        reinterpret_cast<const CompactRow*>(table + compact_row_offset[g]),
+        reinterpret_cast<const ChunkDesc*>(table + compact_chunk_offset[g]), scalars, hyper, grad_scale_ptr,
+        found_inf_ptr, reinterpret_cast<const CodeMaps*>(table + maps_offset));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  auto launch_states = [&](auto param_tag, int p) {
+    launch_compact(param_tag, float{}, p * 4);
+    launch_compact(param_tag, c10::BFloat16{}, p * 4 + 1);
+    launch_compact(param_tag, c10::Half{}, p * 4 + 2);
+    launch_compact(param_tag, uint8_t{}, p * 4 + 3);
+  };
+  launch_states(float{}, 0);
+  launch_states(c10::BFloat16{}, 1);
+  launch_states(c10::Half{}, 2);
 }
 
 }  // namespace

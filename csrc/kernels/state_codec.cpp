@@ -1,0 +1,44 @@
+#include "state_codec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace swap_optimizer {
+namespace {
+
+// Seven decades; decade i (values 10^(i-6) * [0.1, 1]) gets 2^i fraction codes
+// per sign (signed) or 2^(i+1) (unsigned): the means of equal steps from 0.1
+// to 1. With 0 and 1 that is 256 codes either way. Computed in double, rounded
+// once to float.
+CodeMap make_dynamic_map(bool is_signed) {
+  std::vector<double> values;
+  constexpr int kDecades = 7;
+  for (int i = 0; i < kDecades; ++i) {
+    const int fractions = is_signed ? (1 << i) : (1 << (i + 1));
+    const double scale = std::pow(10.0, i - (kDecades - 1));
+    for (int k = 0; k < fractions; ++k) {
+      const double low = 0.1 + 0.9 * k / fractions;
+      const double high = 0.1 + 0.9 * (k + 1) / fractions;
+      values.push_back(scale * (low + high) / 2);
+      if (is_signed) values.push_back(-scale * (low + high) / 2);
+    }
+  }
+  values.push_back(0.0);
+  values.push_back(1.0);
+  std::sort(values.begin(), values.end());
+  CodeMap map{};
+  for (int c = 0; c < kCodes; ++c) map.values[c] = static_cast<float>(values[c]);
+  for (int c = 0; c + 1 < kCodes; ++c) map.midpoints[c] = (map.values[c] + map.values[c + 1]) / 2.f;
+  map.midpoints[kCodes - 1] = map.values[kCodes - 1];
+  return map;
+}
+
+}  // namespace
+
+const CodeMaps& code_maps() {
+  static const CodeMaps maps{make_dynamic_map(true), make_dynamic_map(false)};
+  return maps;
+}
+
+}  // namespace swap_optimizer

@@ -1,0 +1,123 @@
+// Compact forms of the Adam moments, shared by the CPU and CUDA kernels so both
+// produce the same bits:
+//  - bf16 moments with stochastic rounding: a counter-based generator keyed by
+//    (seed, param index, state key, global element index, step) picks the
+//    rounding, so a result depends on no batching, split, device or rank;
+//  - blockwise 8-bit moments: blocks of kQuantBlock elements, one fp32 absmax
+//    per block, codes into bitsandbytes' dynamic maps (signed for exp_avg,
+//    unsigned for exp_avg_sq and max_exp_avg_sq), rounded to the nearest code;
+//    max_exp_avg_sq rounds up so it stays a true running maximum.
+#pragma once
+
+#include "adam_math.h"
+
+#include <cstdint>
+
+namespace swap_optimizer {
+
+constexpr int64_t kQuantBlock = 256;
+constexpr int kCodes = 256;
+
+// The dynamic maps (Dettmers, "8-Bit Approximations for Parallelism in Deep
+// Learning"): seven decades 1e-6..1, each with more fraction codes than the one
+// below, so relative precision is kept across the wide range of moment
+// magnitudes in one block; exp_avg_sq is never negative, so its map spends the
+// sign bit on magnitudes. Midpoints between neighbouring codes decide nearest
+// rounding.
+struct CodeMap {
+  float values[kCodes];     // ascending
+  float midpoints[kCodes];  // midpoints[c] between values[c] and values[c + 1]; the last unused
+};
+struct CodeMaps {
+  CodeMap signed_map;    // exp_avg
+  CodeMap unsigned_map;  // exp_avg_sq, max_exp_avg_sq
+};
+
+// Built once on the host (state_codec.cpp); the CUDA kernel gets a device copy.
+const CodeMaps& code_maps();
+
+// Which quantized moment a code array holds (also its key in the rounding generator).
+enum MomentKey : int { kMomentExpAvg = 0, kMomentExpAvgSq = 1, kMomentMaxExpAvgSq = 2 };
+
+namespace {
+
+SWAP_HOST_DEVICE inline uint64_t mix64(uint64_t x) {  // splitmix64's finalizer
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  return x;
+}
+
+// The generator's key for one (seed, param, moment), computed once per row.
+SWAP_HOST_DEVICE inline uint64_t rounding_key(uint64_t seed, int64_t param_index, int moment) {
+  return mix64(mix64(seed + 0x9e3779b97f4a7c15ULL) ^ (static_cast<uint64_t>(param_index) * 4 + moment));
+}
+
+// 32 random bits for one element at one step.
+SWAP_HOST_DEVICE inline uint32_t rounding_bits(uint64_t key, int64_t global_index, uint32_t step) {
+  const uint64_t h = mix64(key ^ mix64(static_cast<uint64_t>(global_index)) ^
+                           (static_cast<uint64_t>(step) << 32));
+  return static_cast<uint32_t>(h >> 32);
+}
+
+SWAP_HOST_DEVICE inline uint32_t float_bits(float x) {
+  union { float f; uint32_t u; } v{x};
+  return v.u;
+}
+
+SWAP_HOST_DEVICE inline float float_from_bits(uint32_t u) {
+  union { uint32_t u; float f; } v{u};
+  return v.f;
+}
+
+SWAP_HOST_DEVICE inline float bf16_bits_to_float(uint16_t bits) {
+  return float_from_bits(static_cast<uint32_t>(bits) << 16);
+}
+
+// x rounded to bf16, up or down with probability proportional to the distance
+// (the 16 dropped bits plus 16 random ones carry into the kept bits or not).
+// NaN and infinities round to nearest.
+SWAP_HOST_DEVICE inline uint16_t bf16_bits_stochastic(float x, uint32_t random) {
+  const uint32_t bits = float_bits(x);
+  if ((bits & 0x7f800000u) == 0x7f800000u) {  // inf or NaN: keep it (quiet NaN)
+    return static_cast<uint16_t>((bits >> 16) | ((bits & 0x007fffffu) ? 0x0040u : 0u));
+  }
+  return static_cast<uint16_t>((bits + (random & 0xffffu)) >> 16);
+}
+
+// Max of |x| that ignores NaN, so the block reduction is order-free.
+SWAP_HOST_DEVICE inline float magnitude_for_absmax(float x) {
+  return x == x ? (x < 0.f ? -x : x) : 0.f;
+}
+
+// The nearest code to x / absmax (ties to the lower code); absmax 0 codes 0.
+SWAP_HOST_DEVICE inline uint8_t encode_nearest(const CodeMap& map, float x, float absmax) {
+  const float normalized = absmax > 0.f ? x / absmax : 0.f;
+  int low = 0, high = kCodes - 1;  // count the midpoints below `normalized`
+  while (low < high) {
+    const int mid = (low + high) / 2;
+    if (map.midpoints[mid] < normalized) low = mid + 1; else high = mid;
+  }
+  return static_cast<uint8_t>(low);
+}
+
+// The smallest code that decodes to at least x (x >= 0, absmax >= x).
+SWAP_HOST_DEVICE inline uint8_t encode_up(const CodeMap& map, float x, float absmax) {
+  const float normalized = absmax > 0.f ? x / absmax : 0.f;
+  int low = 0, high = kCodes - 1;  // the first value >= normalized
+  while (low < high) {
+    const int mid = (low + high) / 2;
+    if (map.values[mid] < normalized) low = mid + 1; else high = mid;
+  }
+  while (low < kCodes - 1 && map.values[low] * absmax < x) ++low;  // the division rounded down
+  return static_cast<uint8_t>(low);
+}
+
+SWAP_HOST_DEVICE inline float decode(const CodeMap& map, uint8_t code, float absmax) {
+  return map.values[code] * absmax;
+}
+
+}  // namespace
+}  // namespace swap_optimizer

@@ -1,0 +1,104 @@
+"""Compact state forms in Python: blockwise 8-bit moments (encode and decode with
+torch ops, the same rules as the kernels' csrc/kernels/state_codec.h), the
+description a state dict carries of its form, and the conversion of a state
+dict with 8-bit moments into a plain torch.optim one."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import torch
+
+from . import _C
+
+BLOCK_SIZE = 256  # elements per absmax scale
+MIN_QUANTIZED_NUMEL = 4096  # smaller params keep unquantized moments
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# The key, in each param group of a state dict, that describes its state form.
+FORMAT_KEY = "swap_state_format"
+
+
+@functools.lru_cache(maxsize=None)
+def _maps() -> tuple[torch.Tensor, torch.Tensor]:
+    return _C.code_maps()
+
+
+def code_map(moment: str) -> torch.Tensor:
+    """The 256 values codes of `moment` stand for (times their block's absmax):
+    bitsandbytes' signed dynamic map for exp_avg, the unsigned one otherwise."""
+    signed, unsigned = _maps()
+    return signed if moment == "exp_avg" else unsigned
+
+
+def quantize(values: torch.Tensor, moment: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, absmax) of `values`: uint8 codes of the same shape (on the CPU) and
+    one float32 absmax per block of BLOCK_SIZE elements in flat order. Nearest
+    code, except max_exp_avg_sq, which rounds up (it must stay a maximum)."""
+    flat = values.detach().reshape(-1).to("cpu", torch.float32)
+    count = flat.numel()
+    blocks = -(-count // BLOCK_SIZE)
+    padded = torch.zeros(blocks * BLOCK_SIZE)
+    padded[:count] = flat
+    padded = padded.view(blocks, BLOCK_SIZE)
+    magnitude = padded.abs().nan_to_num(nan=0.0, posinf=float("inf"))
+    absmax = magnitude.amax(dim=1) if blocks else torch.zeros(0)
+    scale = absmax[:, None].expand_as(padded)
+    normalized = torch.where(scale > 0, padded / scale, torch.zeros(()))
+    table = code_map(moment)
+    if moment == "max_exp_avg_sq":
+        codes = torch.searchsorted(table, normalized.contiguous()).clamp_(max=255)
+        short = (table[codes] * scale < padded) & (codes < 255)
+        codes = codes + short.long()
+    else:
+        midpoints = (table[:-1] + table[1:]) / 2
+        codes = torch.bucketize(normalized, midpoints)
+    return codes.to(torch.uint8).reshape(-1)[:count].reshape(values.shape), absmax
+
+
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, moment: str) -> torch.Tensor:
+    """float32 values of `codes` (any shape, blocks in flat order) with their absmax."""
+    flat = codes.reshape(-1).long()
+    scale = absmax.to(torch.float32).repeat_interleave(BLOCK_SIZE)[:flat.numel()]
+    return (code_map(moment).to(codes.device)[flat] * scale.to(codes.device)).reshape(codes.shape)
+
+
+def state_format(state_dtype: Any, rounding_seed: Any) -> dict:
+    """What a state dict says about its form (in each param group, FORMAT_KEY)."""
+    form: dict[str, Any] = {"moments": "param dtype" if state_dtype is None else str(state_dtype).replace("torch.", "")}
+    if state_dtype == torch.uint8:
+        form.update(block_size=BLOCK_SIZE, min_quantized_numel=MIN_QUANTIZED_NUMEL,
+                    code_maps={"exp_avg": code_map("exp_avg").tolist(), "exp_avg_sq": code_map("exp_avg_sq").tolist(),
+                               "max_exp_avg_sq": code_map("max_exp_avg_sq").tolist()})
+    if rounding_seed is not None:
+        form["rounding_seed"] = rounding_seed
+    return form
+
+
+def dequantize_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a SwapOptimizer state dict that torch.optim.AdamW loads: 8-bit
+    moments decoded to float32 under their plain names, Kahan compensation
+    buffers dropped (the params already hold the rounded weights), and the
+    state-form description removed from the param groups. Tensors that need no
+    change are shared, not copied."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError("dequantize_state_dict: expected an optimizer state dict with 'state' and 'param_groups'")
+    plain_state = {}
+    for param_id, entry in state_dict["state"].items():
+        entry = dict(entry)
+        for moment in MOMENTS:
+            codes, absmax = entry.pop(f"{moment}_codes", None), entry.pop(f"{moment}_absmax", None)
+            if (codes is None) != (absmax is None):
+                raise ValueError(f"dequantize_state_dict: param {param_id!r} has only one of {moment}_codes and "
+                                 f"{moment}_absmax; both are needed to decode it")
+            if codes is not None:
+                entry[moment] = dequantize(codes, absmax, moment)
+        entry.pop("compensation", None)
+        plain_state[param_id] = entry
+    groups = []
+    for group in state_dict["param_groups"]:
+        group = copy.copy(group)
+        group.pop(FORMAT_KEY, None)
+        groups.append(group)
+    return {**state_dict, "state": plain_state, "param_groups": groups}

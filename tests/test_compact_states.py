@@ -1,0 +1,441 @@
+"""Compact states: bf16 moments with stochastic rounding, blockwise 8-bit
+moments, Kahan-compensated 16-bit params.
+
+Each mode is bitwise identical across swap_times, num_arenas and split points;
+the CPU kernel matches references written here from torch ops (decode, torch's
+own AdamW update in fp32, encode); quantization round trips within the code
+map's bound; state dicts round trip exactly and convert between modes; bad
+combinations are refused. Tolerances: fp32 values of one update within
+rtol 1e-6 / atol 1e-9 of the reference (the same operations, so usually the
+same bits); an 8-bit code may differ by one where the fp32 value sits within an
+ulp of a midpoint (at most 0.1% of them).
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+import swap_optimizer as so
+from conftest import DEVICES, requires_cuda
+from test_split_params import adamw, build, snapshot, train
+
+# One update computed by the kernel and by torch.optim differs by a few ulps
+# (torch applies the step size after the division, the kernel before).
+STEP_TOL = dict(rtol=1e-5, atol=1e-7)
+M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+# ----------------------------------------------------------------- references
+def reference_map(signed: bool) -> torch.Tensor:
+    """bitsandbytes' dynamic map, built here in float64 from its definition."""
+    values = [0.0, 1.0]
+    for i in range(7):
+        fractions = 2 ** i if signed else 2 ** (i + 1)
+        bounds = torch.linspace(0.1, 1.0, fractions + 1, dtype=torch.float64)
+        means = (bounds[:-1] + bounds[1:]) / 2 * 10.0 ** (i - 6)
+        values += means.tolist() + ((-means).tolist() if signed else [])
+    return torch.tensor(sorted(values), dtype=torch.float64).float()
+
+
+def maps():
+    signed, unsigned = so._C.code_maps()
+    return {"exp_avg": signed, "exp_avg_sq": unsigned, "max_exp_avg_sq": unsigned}
+
+
+def ref_quantize(values: torch.Tensor, moment: str):
+    """Blockwise absmax quantization from torch ops: nearest code by the
+    midpoints (ties down), max_exp_avg_sq rounded up."""
+    table = maps()[moment]
+    flat = values.reshape(-1).float()
+    blocks = -(-flat.numel() // 256)
+    padded = torch.cat([flat, flat.new_zeros(blocks * 256 - flat.numel())]).view(blocks, 256)
+    absmax = padded.abs().amax(1)
+    norm = torch.where(absmax[:, None] > 0, padded / absmax[:, None], 0.0)
+    if moment == "max_exp_avg_sq":
+        codes = torch.searchsorted(table, norm.contiguous())
+        codes = codes + ((table[codes.clamp(max=255)] * absmax[:, None] < padded) & (codes < 255)).long()
+    else:
+        codes = torch.bucketize(norm, (table[:-1] + table[1:]) / 2)
+    return codes.reshape(-1)[:flat.numel()].to(torch.uint8).view(values.shape), absmax
+
+
+def ref_dequantize(codes, absmax, moment):
+    flat = maps()[moment][codes.reshape(-1).long()] * absmax.repeat_interleave(256)[:codes.numel()]
+    return flat.view(codes.shape)
+
+
+def mix64(x):
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * np.uint64(0xBF58476D1CE4E5B9)
+        x = x ^ (x >> np.uint64(27))
+        x = x * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def ref_stochastic_bf16(values: torch.Tensor, seed: int, param_index: int, moment: int, step: int) -> torch.Tensor:
+    """Stochastic rounding to bf16 keyed by (seed, param, moment, global element index, step)."""
+    with np.errstate(over="ignore"):
+        key = mix64(mix64(np.uint64(seed) + np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(param_index * 4 + moment))
+        index = np.arange(values.numel(), dtype=np.uint64)
+        random = mix64(key ^ mix64(index) ^ (np.uint64(step) << np.uint64(32))) >> np.uint64(32)
+    bits = values.reshape(-1).float().numpy().view(np.uint32).astype(np.uint64)
+    rounded = ((bits + (random & np.uint64(0xFFFF))) >> np.uint64(16)).astype(np.uint16)
+    return torch.from_numpy(rounded.view(np.int16).copy()).view(torch.bfloat16).view(values.shape)
+
+
+def torch_adamw_step(param32, grad32, moments: dict, step: int, lr=1e-2, amsgrad=False):
+    """torch.optim.AdamW (single-tensor path) on fp32 copies; returns (param, moments)."""
+    p = param32.clone().requires_grad_()
+    opt = torch.optim.AdamW([p], lr=lr, betas=(0.9, 0.99), weight_decay=0.1, amsgrad=amsgrad, foreach=False)
+    opt.state[p] = {"step": torch.tensor(float(step)), **{k: v.clone().float() for k, v in moments.items()}}
+    p.grad = grad32.clone()
+    opt.step()
+    return p.detach(), {k: opt.state[p][k] for k in moments}
+
+
+def random_moments(shape, amsgrad, generator):
+    m = torch.randn(shape, generator=generator) * 1e-2
+    v = torch.rand(shape, generator=generator) * 1e-4
+    v[..., :300] *= 1e-6  # blocks whose scale spans decades
+    moments = {"exp_avg": m, "exp_avg_sq": v}
+    if amsgrad:
+        moments["max_exp_avg_sq"] = v * (1 + torch.rand(shape, generator=generator))
+    return moments
+
+
+def one_step_swap(param, grad, saved_state, lr=1e-2, amsgrad=False, **fields):
+    opt = so.SwapOptimizer(torch.optim.AdamW([param], lr=lr, betas=(0.9, 0.99), weight_decay=0.1, amsgrad=amsgrad),
+                           swap_times=1, min_numel=0, **fields)
+    sd = opt.state_dict()
+    sd["state"] = {0: saved_state}
+    opt.load_state_dict(sd)
+    param.grad = grad
+    opt.step()
+    return opt
+
+
+# --------------------------------------------------------------- code maps
+def test_code_maps_are_the_dynamic_maps():
+    for signed, table in zip((True, False), so._C.code_maps()):
+        assert table.dtype == torch.float32 and table.shape == (256,)
+        assert torch.all(table[1:] > table[:-1]), "ascending, 256 distinct codes"
+        assert table[-1] == 1.0 and (table == 0).sum() == 1
+        assert_close(table, reference_map(signed), rtol=1e-6, atol=0)
+        assert (table[0] < -0.99) if signed else (table[0] == 0)
+
+
+@pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"])
+def test_quantize_round_trip_within_map_bound(moment):
+    g = torch.Generator().manual_seed(1)
+    n = 256 * 7 + 100  # a partial last block
+    values = torch.randn(n, generator=g) * torch.logspace(-6, 0, n)[torch.randperm(n, generator=g)]
+    if moment != "exp_avg":
+        values = values.abs()
+    values[256:512] = 0.0  # a block whose absmax is 0
+    codes, absmax = so.compact.quantize(values, moment)
+    ref_codes, ref_absmax = ref_quantize(values, moment)
+    assert torch.equal(codes, ref_codes) and torch.equal(absmax, ref_absmax)
+    decoded = so.compact.dequantize(codes, absmax, moment)
+    assert torch.equal(decoded[256:512], torch.zeros(256))
+    table = maps()[moment]
+    scale = absmax.repeat_interleave(256)[:n]
+    # The distance from a value to the code it gets is at most the gap to the
+    # next code (rounded up) or half of it (nearest), times the scale.
+    gaps = torch.cat([table[1:] - table[:-1], table.new_zeros(1)])
+    gap_at = gaps[codes.long()].maximum(gaps[(codes.long() - 1).clamp(min=0)])
+    bound = (gap_at if moment == "max_exp_avg_sq" else gap_at / 2) * scale
+    if moment == "exp_avg":  # the signed map ends at table[0] > -1: -absmax is that far from its code
+        bound = torch.where(codes == 0, bound.maximum((1 + table[0]) * scale), bound)
+    bound = bound * (1 + 1e-5) + 1e-30  # the products above round
+    assert torch.all((decoded - values).abs() <= bound)
+    if moment == "max_exp_avg_sq":
+        assert torch.all(decoded >= values), "rounded up: still a maximum"
+
+
+# ------------------------------------------------------- kernel references
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_8bit_update_matches_torch_reference(amsgrad):
+    g = torch.Generator().manual_seed(2)
+    shape = (37, 256)  # 9472 elements: quantized, last block full; see partial below
+    param = torch.randn(shape, generator=g)
+    grad = torch.randn(shape, generator=g) * 1e-2
+    saved = {"step": torch.tensor(4.0)}
+    moments = random_moments(shape, amsgrad, g)
+    for key, value in moments.items():
+        saved[f"{key}_codes"], saved[f"{key}_absmax"] = ref_quantize(value, key)
+    decoded = {k: ref_dequantize(saved[f"{k}_codes"], saved[f"{k}_absmax"], k) for k in moments}
+    expected_param, expected = torch_adamw_step(param, grad, decoded, step=4, amsgrad=amsgrad)
+
+    p = param.clone().requires_grad_()
+    opt = one_step_swap(p, grad.clone(), saved, amsgrad=amsgrad, state_dtype=torch.uint8)
+    assert_close(p.detach(), expected_param, **STEP_TOL)
+    state = opt.state[p]
+    assert state["step"].item() == 5 and "exp_avg" not in state
+    for key, value in expected.items():
+        codes, absmax = ref_quantize(value, key)
+        assert_close(state[f"{key}_absmax"], absmax, **STEP_TOL)
+        differ = state[f"{key}_codes"].long() - codes.long()
+        assert differ.abs().max() <= 1 and (differ != 0).float().mean() <= 1e-3, key
+
+
+def test_8bit_small_params_keep_plain_states_and_partial_blocks_work():
+    g = torch.Generator().manual_seed(3)
+    small, odd = torch.randn(4095, generator=g), torch.randn(5000, generator=g)  # 5000 = 19 blocks + 136
+    params = [small.clone().requires_grad_(), odd.clone().requires_grad_()]
+    opt = so.SwapOptimizer(torch.optim.AdamW(params, lr=1e-2), swap_times=1, min_numel=0, state_dtype=torch.uint8)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    assert set(opt.state[params[0]]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.float32
+    assert opt.state[params[1]]["exp_avg_absmax"].shape == (20,)
+    ref = torch.optim.AdamW([q := odd.clone().requires_grad_()], lr=1e-2, foreach=False)
+    q.grad = params[1].grad.clone()
+    ref.step()
+    codes, absmax = ref_quantize(ref.state[q]["exp_avg"], "exp_avg")
+    assert_close(opt.state[params[1]]["exp_avg_absmax"], absmax, **STEP_TOL)
+    assert (opt.state[params[1]]["exp_avg_codes"].long() - codes.long()).abs().max() <= 1
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_stochastic_bf16_moments_match_reference(param_dtype):
+    g = torch.Generator().manual_seed(4)
+    shape = (64, 96)
+    param = torch.randn(shape, generator=g).to(param_dtype)
+    grad = (torch.randn(shape, generator=g) * 1e-2).to(param_dtype)
+    moments = {k: v.bfloat16() for k, v in random_moments(shape, False, g).items()}
+    saved = {"step": torch.tensor(6.0), **moments}
+    opt_param = param.clone().requires_grad_()
+    opt = one_step_swap(opt_param, grad.clone(), saved, state_dtype=torch.bfloat16, rounding_seed=1234)
+    expected_param, expected = torch_adamw_step(param.float(), grad.float(), moments, step=6)
+    assert_close(opt_param.detach().float(), expected_param.to(param_dtype).float(), **STEP_TOL)
+    for moment_index, key in enumerate(("exp_avg", "exp_avg_sq")):
+        ours = opt.state[opt_param][key]
+        assert ours.dtype == torch.bfloat16
+        reference = ref_stochastic_bf16(expected[key], 1234, 0, moment_index, 7)
+        assert (ours.view(torch.int16) != reference.view(torch.int16)).float().mean() <= 1e-3
+        nearest = expected[key].bfloat16()
+        assert (ours != nearest).any(), "stochastic rounding rounds some values away from the nearest"
+        # Unbiased: rounding errors average out, nearest rounding's do not cancel more.
+        error = (ours.float() - expected[key]) / expected[key].abs().clamp(min=1e-30)
+        assert error.mean().abs() < 4 * error.std() / error.numel() ** 0.5 + 1e-4
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+def test_kahan_update_matches_reference(param_dtype):
+    g = torch.Generator().manual_seed(5)
+    shape = (48, 128)
+    param = torch.randn(shape, generator=g).to(param_dtype)
+    compensation = ((torch.rand(shape, generator=g) - 0.5) * param.float().abs() * 2 ** -9).to(param_dtype)
+    grad = (torch.randn(shape, generator=g) * 1e-2).to(param_dtype)
+    moments = {k: v.float() for k, v in random_moments(shape, False, g).items()}
+    saved = {"step": torch.tensor(2.0), **moments, "compensation": compensation}
+    opt_param = param.clone().requires_grad_()
+    opt = one_step_swap(opt_param, grad.clone(), saved, lr=1e-4, kahan_summation=True, state_dtype=torch.float32)
+    start = param.float() + compensation.float()
+    value, _ = torch_adamw_step(start, grad.float(), moments, step=2, lr=1e-4)
+    assert_close(opt_param.detach(), value.to(param_dtype), rtol=0, atol=0)
+    # What the param lost is kept: param + compensation is the fp32 value, to the
+    # update's own few ulps, where the param alone is off by up to half its ulp.
+    kept = opt_param.detach().float() + opt.state[opt_param]["compensation"].float()
+    assert_close(kept, value, **STEP_TOL)
+    assert (kept - value).abs().sum() < 0.05 * (opt_param.detach().float() - value).abs().sum()
+
+
+def test_kahan_buffer_resets_when_the_param_is_written_outside_step():
+    model = build("cpu", torch.bfloat16)
+    opt = so.SwapOptimizer(adamw(model.parameters()), swap_times=2, kahan_summation=True)
+    train(model, opt, 2, "cpu")
+    weight = model.mid.weight
+    assert opt.state[weight]["compensation"].abs().sum() > 0
+    with torch.no_grad():
+        weight.mul_(0.5)  # bumps its version: the old compensation means nothing now
+    train(model, opt, 1, "cpu", first_step=2)
+    twin = build("cpu", torch.bfloat16)
+    twin_opt = so.SwapOptimizer(adamw(twin.parameters()), swap_times=2, kahan_summation=True)
+    train(twin, twin_opt, 2, "cpu")
+    with torch.no_grad():
+        twin.mid.weight.mul_(0.5)
+        twin_opt.state[twin.mid.weight]["compensation"].zero_()  # written by hand: what the reset must do
+    train(twin, twin_opt, 1, "cpu", first_step=2)
+    assert torch.equal(weight, twin.mid.weight)
+
+
+# ------------------------------------------- bitwise across batching and splits
+MODES = {
+    "fp32 params, bf16 moments": dict(fields=dict(state_dtype=torch.bfloat16, rounding_seed=7)),
+    "fp32 params, 8-bit moments": dict(fields=dict(state_dtype=torch.uint8)),
+    "8-bit moments, amsgrad": dict(fields=dict(state_dtype=torch.uint8), flags=dict(amsgrad=True)),
+    "bf16 params, Kahan, 8-bit moments": dict(dtype=torch.bfloat16,
+                                              fields=dict(state_dtype=torch.uint8, kahan_summation=True)),
+    "bf16 params, Kahan, bf16 moments": dict(dtype=torch.bfloat16,
+                                             fields=dict(state_dtype=torch.bfloat16, kahan_summation=True)),
+    "fp16 params, Kahan, fp32 moments": dict(dtype=torch.float16,
+                                             fields=dict(state_dtype=torch.float32, kahan_summation=True)),
+}
+
+
+def run_mode(device, spec, swap_times, num_arenas, steps=4):
+    model = build(device, spec.get("dtype", torch.float32))
+    optimizer = so.SwapOptimizer(adamw(model.parameters(), **spec.get("flags", {})), swap_times=swap_times,
+                                 num_arenas=num_arenas, **spec["fields"])
+    train(model, optimizer, steps, device)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_modes_bitwise_across_swap_times_arenas_and_splits(device, mode):
+    results = []
+    for swap_times, num_arenas in ((1, 2), (8, 3), (5, 2), (16, 2)):
+        model, optimizer = run_mode(device, MODES[mode], swap_times, num_arenas)
+        assert optimizer.memory_stats()["split_params"] == (swap_times > 1)
+        results.append(snapshot(optimizer, model))
+    for params, states in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(params, results[0][0]))
+        assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+                   for a, b in zip(states, results[0][1]))
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", list(MODES))
+def test_cuda_kernel_equals_cpu_kernel(mode):
+    cpu = snapshot(*reversed(run_mode("cpu", MODES[mode], 4, 2)))
+    cuda = snapshot(*reversed(run_mode("cuda", MODES[mode], 4, 2)))
+    for a, b in zip(cpu[0], cuda[0]):
+        assert torch.equal(a, b.cpu())
+    for a, b in zip(cpu[1], cuda[1]):
+        assert all(torch.equal(a[k], b[k].cpu()) for k in a)
+
+
+def test_training_with_compact_states_tracks_fp32():
+    """A few hundred steps: each mode's loss within a few percent of fp32 AdamW's
+    (the long parity run is tests/test_train_parity.py)."""
+    def final_loss(dtype, **fields):
+        model = build("cpu", dtype)
+        opt = so.SwapOptimizer(adamw(model.parameters()), swap_times=4, **fields)
+        train(model, opt, 60, "cpu")
+        from test_split_params import loss_of
+        return sum(loss_of(model, 1000 + k, "cpu").item() for k in range(4))
+    reference = final_loss(torch.float32)
+    for fields in (dict(state_dtype=torch.bfloat16), dict(state_dtype=torch.uint8)):
+        assert abs(final_loss(torch.float32, **fields) / reference - 1) < 0.05, fields
+
+
+# ---------------------------------------------------------------- state dicts
+@pytest.mark.parametrize("mode", ["fp32 params, bf16 moments", "bf16 params, Kahan, 8-bit moments",
+                                  "8-bit moments, amsgrad"])
+def test_state_dict_round_trip_resumes_bitwise(mode):
+    spec = MODES[mode]
+    straight_model, straight = run_mode("cpu", spec, 4, 2, steps=5)
+
+    model, optimizer = run_mode("cpu", spec, 4, 2, steps=3)
+    saved = copy.deepcopy(optimizer.state_dict())
+    form = saved["param_groups"][0][so.compact.FORMAT_KEY]
+    for entry in saved["state"].values():
+        assert all(not (k in so.compact.MOMENTS and v.dtype == torch.uint8) for k, v in entry.items())
+    resumed_model = build("cpu", spec.get("dtype", torch.float32))
+    resumed_model.load_state_dict(model.state_dict())
+    fields = dict(spec["fields"])
+    fields.pop("rounding_seed", None)  # the seed comes from the state dict
+    resumed = so.SwapOptimizer(adamw(resumed_model.parameters(), **spec.get("flags", {})), swap_times=3,
+                               **fields)
+    resumed.load_state_dict(saved)
+    if "rounding_seed" in spec["fields"]:
+        assert form["rounding_seed"] == spec["fields"]["rounding_seed"]
+    again = resumed.state_dict()
+    for key, entry in saved["state"].items():
+        assert all(torch.equal(entry[k], again["state"][key][k]) for k in entry)
+    train(resumed_model, resumed, 2, "cpu", first_step=3)
+    assert all(torch.equal(a, b) for a, b in zip(resumed_model.parameters(), straight_model.parameters()))
+
+
+def test_state_dicts_convert_between_modes():
+    model, plain = run_mode("cpu", dict(fields={}), 2, 2, steps=3)
+    plain_sd = plain.state_dict()
+    weight_id = [id(p) for p in model.parameters()].index(id(model.embed.weight))
+    # A plain torch state dict loaded into an 8-bit optimizer is quantized.
+    eight = so.SwapOptimizer(adamw(model.parameters()), swap_times=2, state_dtype=torch.uint8)
+    eight.load_state_dict(plain_sd)
+    state = eight.state[model.embed.weight]
+    codes, absmax = ref_quantize(plain_sd["state"][weight_id]["exp_avg"], "exp_avg")
+    assert torch.equal(state["exp_avg_codes"], codes) and torch.equal(state["exp_avg_absmax"], absmax)
+    # An 8-bit state dict loaded into an fp32 optimizer is decoded.
+    eight_sd = eight.state_dict()
+    back = so.SwapOptimizer(adamw(model.parameters()), swap_times=2)
+    back.load_state_dict(eight_sd)
+    decoded = ref_dequantize(codes, absmax, "exp_avg")
+    assert torch.equal(back.state[model.embed.weight]["exp_avg"], decoded)
+    # The documented conversion: torch.optim.AdamW loads it.
+    plain_again = so.dequantize_state_dict(eight_sd)
+    torch_opt = adamw(model.parameters())
+    torch_opt.load_state_dict(plain_again)
+    assert torch.equal(torch_opt.state[model.embed.weight]["exp_avg"], decoded)
+    assert so.compact.FORMAT_KEY not in torch_opt.param_groups[0]
+    assert_close(torch_opt.state[model.embed.weight]["exp_avg_sq"], plain_sd["state"][weight_id]["exp_avg_sq"],
+                 rtol=0.1, atol=1e-9)
+
+
+def test_torch_save_of_8bit_state_dict_round_trips(tmp_path):
+    model, optimizer = run_mode("cpu", MODES["fp32 params, 8-bit moments"], 4, 2, steps=2)
+    torch.save(optimizer.state_dict(), tmp_path / "opt.pt")
+    loaded = torch.load(tmp_path / "opt.pt", weights_only=True)
+    fresh = so.SwapOptimizer(adamw(model.parameters()), swap_times=2, state_dtype=torch.uint8)
+    fresh.load_state_dict(loaded)
+    for p in model.parameters():
+        assert all(torch.equal(optimizer.state[p][k], fresh.state[p][k]) for k in optimizer.state[p])
+
+
+# ----------------------------------------------------------- bad combinations
+@pytest.mark.parametrize("fields, match", [
+    (dict(kahan_summation=True, master_weights=True), "kahan_summation.*master_weights"),
+    (dict(state_dtype=torch.float16), "state_dtype must be"),
+    (dict(state_dtype=torch.int8), "state_dtype must be"),
+    (dict(rounding_seed=3), "rounding_seed .*state_dtype=torch.bfloat16"),
+    (dict(state_dtype=torch.bfloat16, rounding_seed=-1), "rounding_seed must be"),
+    (dict(kahan_summation=1), "kahan_summation must be True or False"),
+])
+def test_bad_combinations_are_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        so.SwapOptimizer(torch.optim.AdamW([torch.nn.Parameter(torch.randn(8))]), **fields)
+
+
+def test_kahan_without_16bit_params_warns():
+    with pytest.warns(UserWarning, match="kahan_summation=True applies to 16-bit params"):
+        so.SwapOptimizer(torch.optim.AdamW([torch.nn.Parameter(torch.randn(8))]), kahan_summation=True)
+
+
+def test_bad_8bit_state_is_refused_and_changes_nothing():
+    model, optimizer = run_mode("cpu", MODES["fp32 params, 8-bit moments"], 4, 2, steps=2)
+    before = snapshot(optimizer, model)
+    sd = optimizer.state_dict()
+    index = [id(p) for p in model.parameters()].index(id(model.embed.weight))
+    bad = copy.deepcopy(sd)
+    bad["state"][index]["exp_avg_absmax"] = bad["state"][index]["exp_avg_absmax"][:-1]
+    with pytest.raises(ValueError, match="exp_avg_absmax' must be a float32 tensor of 563 scales"):
+        optimizer.load_state_dict(bad)
+    bad = copy.deepcopy(sd)
+    bad["state"][index]["exp_avg"] = torch.zeros_like(model.embed.weight)
+    with pytest.raises(ValueError, match="saved both as values and as codes"):
+        optimizer.load_state_dict(bad)
+    after = snapshot(optimizer, model)
+    assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(before[1], after[1]))
+
+
+# --------------------------------------------------------------- bytes moved
+def test_bytes_moved_per_param_meet_targets():
+    """Averaged over the swapped params, scales and step table included, on a
+    model whose params are all large enough to quantize."""
+    def per_param(dtype, **fields):
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)).to(dtype)
+        opt = so.SwapOptimizer(torch.optim.AdamW(model.parameters()), swap_times=4, **fields)
+        return opt.memory_stats()["bytes_per_param_each_way"]
+    assert per_param(torch.float32) == pytest.approx(8.0, rel=1e-3)
+    assert per_param(torch.float32, state_dtype=torch.bfloat16) <= 4.2
+    assert per_param(torch.float32, state_dtype=torch.uint8) <= 2.2
+    assert per_param(torch.bfloat16, state_dtype=torch.uint8, kahan_summation=True) <= 4.3
+    assert per_param(torch.bfloat16, master_weights=True, state_dtype=torch.float32) == pytest.approx(12.0, rel=1e-3)
