@@ -182,6 +182,26 @@ def test_8bit_update_matches_torch_reference(amsgrad):
         assert differ.abs().max() <= 1 and (differ != 0).float().mean() <= 1e-3, key
 
 
+def test_8bit_kernel_encoding_equals_reference_bitwise():
+    """With betas (0, 0) the updated moments are exactly grad and grad**2, so the
+    kernel's codes and scales must be the reference's bit for bit: every block
+    scale, nearest and round-up code, a zero block and a partial last block."""
+    g = torch.Generator().manual_seed(6)
+    n = 256 * 40 + 77
+    grad = torch.randn(n, generator=g) * torch.logspace(-8, 0, n)[torch.randperm(n, generator=g)]
+    grad[512:768] = 0.0
+    p = torch.randn(n, generator=g).requires_grad_()
+    opt = so.SwapOptimizer(torch.optim.AdamW([p], lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, amsgrad=True),
+                           swap_times=1, min_numel=0, state_dtype=torch.uint8)
+    p.grad = grad.clone()
+    opt.step()
+    state = opt.state[p]
+    for key, value in (("exp_avg", grad), ("exp_avg_sq", grad * grad), ("max_exp_avg_sq", grad * grad)):
+        codes, absmax = ref_quantize(value, key)
+        assert torch.equal(state[f"{key}_absmax"], absmax), key
+        assert torch.equal(state[f"{key}_codes"], codes), key
+
+
 def test_8bit_small_params_keep_plain_states_and_partial_blocks_work():
     g = torch.Generator().manual_seed(3)
     small, odd = torch.randn(4095, generator=g), torch.randn(5000, generator=g)  # 5000 = 19 blocks + 136

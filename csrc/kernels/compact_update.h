@@ -93,15 +93,16 @@ SWAP_HOST_DEVICE inline float load_code(const CompactRow& r, const CodeMaps& map
 
 // Stores an 8-bit moment given its block's new absmax: nearest code, except
 // max_exp_avg_sq, which rounds up so it never falls below a value it held.
-SWAP_HOST_DEVICE inline void store_code(const CompactRow& r, const CodeMaps& maps, int k, int64_t i, float value,
-                                        float absmax) {
+// `search` (host only, may be null) speeds up finding the code, not its value.
+SWAP_HOST_DEVICE inline void store_code(const CompactRow& r, const CodeMaps& maps, const CodeSearch* search, int k,
+                                        int64_t i, float value, float absmax) {
   auto* codes = static_cast<uint8_t*>(r.moment[k]);
   if (k == kMomentExpAvg) {
-    codes[i] = encode_nearest(maps.signed_map, value, absmax);
+    codes[i] = encode_nearest(maps.signed_map, search ? search->signed_midpoints : nullptr, value, absmax);
   } else if (k == kMomentExpAvgSq) {
-    codes[i] = encode_nearest(maps.unsigned_map, value, absmax);
+    codes[i] = encode_nearest(maps.unsigned_map, search ? search->unsigned_midpoints : nullptr, value, absmax);
   } else {
-    codes[i] = encode_up(maps.unsigned_map, value, absmax);
+    codes[i] = encode_up(maps.unsigned_map, search ? search->unsigned_values : nullptr, value, absmax);
   }
 }
 

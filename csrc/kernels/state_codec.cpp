@@ -34,7 +34,30 @@ CodeMap make_dynamic_map(bool is_signed) {
   return map;
 }
 
+// Bucket b holds the floats whose top bits are b; its lowest value is its
+// smallest bit pattern when positive, its largest when negative.
+void fill_bucket_starts(const float* sorted, uint8_t* starts) {
+  constexpr int kLowBits = 32 - kBucketBits;
+  for (uint32_t bucket = 0; bucket < (1u << kBucketBits); ++bucket) {
+    const bool negative = (bucket >> (kBucketBits - 1)) != 0;
+    const uint32_t lowest = (bucket << kLowBits) | (negative ? (1u << kLowBits) - 1 : 0u);
+    starts[bucket] = static_cast<uint8_t>(count_below(sorted, nullptr, float_from_bits(lowest)));
+  }
+}
+
 }  // namespace
+
+const CodeSearch& code_search() {
+  static const CodeSearch search = [] {
+    CodeSearch s{};
+    const CodeMaps& maps = code_maps();
+    fill_bucket_starts(maps.signed_map.midpoints, s.signed_midpoints);
+    fill_bucket_starts(maps.unsigned_map.midpoints, s.unsigned_midpoints);
+    fill_bucket_starts(maps.unsigned_map.values, s.unsigned_values);
+    return s;
+  }();
+  return search;
+}
 
 const CodeMaps& code_maps() {
   static const CodeMaps maps{make_dynamic_map(true), make_dynamic_map(false)};

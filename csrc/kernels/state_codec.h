@@ -36,6 +36,19 @@ struct CodeMaps {
 // Built once on the host (state_codec.cpp); the CUDA kernel gets a device copy.
 const CodeMaps& code_maps();
 
+// Host-only shortcut for count_below: for each bucket of floats that share
+// their top kBucketBits bits (sign, exponent, 4 mantissa bits), how many of a
+// sorted array's first 255 entries lie below the bucket's lowest value. A
+// search starts there and steps forward, usually 0 to 3 times: the same count
+// as the binary search, without its chain of dependent loads.
+constexpr int kBucketBits = 13;
+struct CodeSearch {
+  uint8_t signed_midpoints[1 << kBucketBits];
+  uint8_t unsigned_midpoints[1 << kBucketBits];
+  uint8_t unsigned_values[1 << kBucketBits];
+};
+const CodeSearch& code_search();
+
 // Which quantized moment a code array holds (also its key in the rounding generator).
 enum MomentKey : int { kMomentExpAvg = 0, kMomentExpAvgSq = 1, kMomentMaxExpAvgSq = 2 };
 
@@ -92,27 +105,33 @@ SWAP_HOST_DEVICE inline float magnitude_for_absmax(float x) {
   return x == x ? (x < 0.f ? -x : x) : 0.f;
 }
 
-// The nearest code to x / absmax (ties to the lower code); absmax 0 codes 0.
-SWAP_HOST_DEVICE inline uint8_t encode_nearest(const CodeMap& map, float x, float absmax) {
-  const float normalized = absmax > 0.f ? x / absmax : 0.f;
-  int low = 0, high = kCodes - 1;  // count the midpoints below `normalized`
-  while (low < high) {
-    const int mid = (low + high) / 2;
-    if (map.midpoints[mid] < normalized) low = mid + 1; else high = mid;
+// How many of sorted[0..254] are below x: a binary search of fixed depth, or,
+// given the bucket starts of `sorted` (CodeSearch, host only), a step forward
+// from x's bucket.
+SWAP_HOST_DEVICE inline int count_below(const float* sorted, const uint8_t* bucket_starts, float x) {
+  if (bucket_starts != nullptr) {
+    int index = bucket_starts[float_bits(x) >> (32 - kBucketBits)];
+    while (index < kCodes - 1 && sorted[index] < x) ++index;
+    return index;
   }
-  return static_cast<uint8_t>(low);
+  int index = 0;
+  for (int step = kCodes / 2; step > 0; step /= 2) index += sorted[index + step - 1] < x ? step : 0;
+  return index;
+}
+
+// The nearest code to x / absmax (ties to the lower code); absmax 0 codes 0.
+SWAP_HOST_DEVICE inline uint8_t encode_nearest(const CodeMap& map, const uint8_t* bucket_starts, float x,
+                                               float absmax) {
+  const float normalized = absmax > 0.f ? x / absmax : 0.f;
+  return static_cast<uint8_t>(count_below(map.midpoints, bucket_starts, normalized));
 }
 
 // The smallest code that decodes to at least x (x >= 0, absmax >= x).
-SWAP_HOST_DEVICE inline uint8_t encode_up(const CodeMap& map, float x, float absmax) {
+SWAP_HOST_DEVICE inline uint8_t encode_up(const CodeMap& map, const uint8_t* bucket_starts, float x, float absmax) {
   const float normalized = absmax > 0.f ? x / absmax : 0.f;
-  int low = 0, high = kCodes - 1;  // the first value >= normalized
-  while (low < high) {
-    const int mid = (low + high) / 2;
-    if (map.values[mid] < normalized) low = mid + 1; else high = mid;
-  }
-  while (low < kCodes - 1 && map.values[low] * absmax < x) ++low;  // the division rounded down
-  return static_cast<uint8_t>(low);
+  int code = count_below(map.values, bucket_starts, normalized);  // the first value >= normalized
+  if (code < kCodes - 1 && map.values[code] * absmax < x) ++code;  // the division rounded down
+  return static_cast<uint8_t>(code);
 }
 
 SWAP_HOST_DEVICE inline float decode(const CodeMap& map, uint8_t code, float absmax) {

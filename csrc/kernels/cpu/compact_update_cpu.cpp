@@ -26,6 +26,7 @@ template <typename param_t>
 void update_codes(const CompactRow& r, int64_t begin, int64_t end, const AdamHyper& hyper,
                   const StepScalars& s, const float* grad_scale) {
   const CodeMaps& maps = code_maps();
+  const CodeSearch& search = code_search();
   const int moments = hyper.amsgrad ? 3 : 2;
   float value[kQuantBlock][3];
   for (int64_t block = begin; block < end; block += kQuantBlock) {
@@ -40,7 +41,7 @@ void update_codes(const CompactRow& r, int64_t begin, int64_t end, const AdamHyp
     }
     for (int k = 0; k < moments; ++k) {
       r.absmax[k][block / kQuantBlock] = absmax[k];
-      for (int64_t j = 0; j < count; ++j) store_code(r, maps, k, block + j, value[j][k], absmax[k]);
+      for (int64_t j = 0; j < count; ++j) store_code(r, maps, &search, k, block + j, value[j][k], absmax[k]);
     }
   }
 }
