@@ -172,6 +172,53 @@ def _global_offset(param: torch.Tensor, index: int) -> int:
     return int(offset[0]) * row if offset else 0
 
 
+def _check_fsdp_8bit(param: torch.Tensor, index: int) -> None:
+    if param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+        raise ValueError(f"SwapOptimizer: param {index} is a DTensor placed {tuple(param.placements)} on a "
+                         f"{param.device_mesh.ndim}-D mesh; 8-bit moments (state_dtype=torch.uint8) under DTensor need "
+                         "a 1-D mesh and Shard(0) (FSDP2's default: fully_shard without HSDP or "
+                         "shard_placement_fn), or use state_dtype=torch.bfloat16")
+
+
+def _scale_rows(param: torch.Tensor) -> int:
+    """Scales per rank of a DTensor param's 8-bit moment in a state dict: those
+    of the largest local shard (dim-0 chunks of ceil(rows / world) rows)."""
+    world = param.device_mesh.size()
+    rows = -(-param.shape[0] // world) if param.dim() else 1
+    return -(-(rows * (param.numel() // max(param.shape[0], 1) if param.dim() else 1)) // 256)
+
+
+def _sharded_scales(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A DTensor param's absmax scales as a state dict holds them: a [world,
+    scales] DTensor, rank r's scales (zero-padded) in row r, so DCP gives each
+    rank's blocks their own place (they are per local shard and cannot be
+    resharded without decoding)."""
+    world, width = param.device_mesh.size(), _scale_rows(param)
+    padded = torch.zeros(1, width, dtype=torch.float32, device=local.device)
+    padded[0, :local.numel()] = local
+    spec = DTensorSpec(param.device_mesh, (Shard(0),),
+                       tensor_meta=TensorMeta(torch.Size((world, width)), (width, 1), torch.float32))
+    return DTensor(padded, spec, requires_grad=False)
+
+
+def _local_scales(absmax: torch.Tensor, param: torch.Tensor, blocks: int, where: str, key: str) -> torch.Tensor:
+    """This rank's scales from a state dict's [world, scales] form (a DTensor or,
+    from a full state dict, a plain tensor)."""
+    world, width = param.device_mesh.size(), _scale_rows(param)
+    if tuple(absmax.shape) != (world, width):
+        raise ValueError(f"{where}: '{key}' has shape {tuple(absmax.shape)}, but here 8-bit scales are sharded as "
+                         f"({world}, {width}): it was saved at another world size or sharding. 8-bit moments under "
+                         "FSDP2 load at the world size they were saved at; to change it, load the checkpoint there "
+                         "into an optimizer with state_dtype=torch.float32 (which decodes them) and save again")
+    if _is_dtensor(absmax):
+        if tuple(absmax.placements) != (Shard(0),) or absmax.device_mesh != param.device_mesh:
+            absmax = absmax.redistribute(param.device_mesh, (Shard(0),))
+        row = absmax.to_local()[0]
+    else:
+        row = absmax[param.device_mesh.get_local_rank()]
+    return row[:blocks].to("cpu", torch.float32)
+
+
 def _check_readable(value: torch.Tensor, where: str, key: str) -> None:
     if value.is_meta or value.layout != torch.strided:
         kind = "a meta tensor (no data)" if value.is_meta else f"{value.layout} (not dense)"
@@ -355,10 +402,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         global_offsets = []
         if self._rounding_seed is not None:
             global_offsets = [_global_offset(p, i) for i, p in enumerate(params)]
-        if self.config.state_dtype == torch.uint8 and any(_is_dtensor(p) for p in params):
-            raise ValueError("SwapOptimizer: state_dtype=torch.uint8 (8-bit moments) does not support DTensor "
-                             "(FSDP2) params yet: its absmax scales are per local shard. Use "
-                             "state_dtype=torch.bfloat16 under FSDP2")
+        if self.config.state_dtype == torch.uint8:
+            for i, p in enumerate(params):
+                if _is_dtensor(p):
+                    _check_fsdp_8bit(p, i)
         swap_times = self.config.swap_times
         if self.config.staging_budget_bytes is not None:
             swap_times, smallest = _C.smallest_swap_times_for_budget(
@@ -386,8 +433,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._write_states(params, views, dict(updates))
         runtime.order_writes()
         self._views = views  # this rank's store views, param by param
-        self._entries = [{key: value if key == "step" else _like_param(value, p) for key, value in view.items()}
-                         for p, view in zip(params, views)]
+        # Scales are per local shard, never shaped like the param: kept local.
+        self._entries = [{key: value if key == "step" or key.endswith("_absmax") else _like_param(value, p)
+                          for key, value in view.items()} for p, view in zip(params, views)]
         # As torch.optim, a param shows a state entry once it has one: saved, or
         # from its first step with a grad. The store keeps a slot for every param.
         self._shown = [i in dict(updates) for i in range(len(params))]
@@ -490,14 +538,19 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{where}: '{moment}_codes' must be a uint8 tensor of the param's shape "
                              f"{tuple(param.shape)}, got {getattr(codes, 'dtype', type(codes).__name__)} "
                              f"{tuple(getattr(codes, 'shape', ()))}")
-        blocks = -(-param.numel() // 256)
-        if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.float32 or absmax.shape != (blocks,):
+        blocks = -(-_local(param).numel() // 256)
+        sharded = _is_dtensor(param)
+        if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.float32 or \
+                (not sharded and absmax.shape != (blocks,)):
             raise ValueError(f"{where}: '{moment}_absmax' must be a float32 tensor of {blocks} scales (one per 256 "
                              f"elements) beside '{moment}_codes', got {getattr(absmax, 'dtype', type(absmax).__name__)} "
                              f"{tuple(getattr(absmax, 'shape', ()))}")
         for key, value in ((f"{moment}_codes", codes), (f"{moment}_absmax", absmax)):
-            _check_readable(value, where, key)
-        return codes, absmax
+            _check_readable(_local(value), where, key)
+        if sharded:
+            _check_fsdp_8bit(param, 0)
+            absmax = _local_scales(absmax, param, blocks, where, f"{moment}_absmax")
+        return _local_part(codes, param), absmax
 
     def _write_states(self, params: list[torch.Tensor], views: list[dict], values: dict[int, dict],
                       only=None) -> None:
@@ -622,6 +675,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         (FORMAT_KEY: the moments' form, the code maps and block size of 8-bit
         ones, the rounding seed of bf16 ones); see dequantize_state_dict."""
         state_dict = super().state_dict()
+        if self.config.state_dtype == torch.uint8:  # scales of sharded params get a place per rank
+            params = self._params()
+            for index, entry in state_dict["state"].items():
+                if _is_dtensor(params[index]):
+                    entry = state_dict["state"][index] = dict(entry)  # torch's state dict shares our entries
+                    for key in [k for k in entry if k.endswith("_absmax")]:
+                        entry[key] = _sharded_scales(entry[key], params[index])
         if self.config.state_dtype in (torch.bfloat16, torch.uint8) or self.config.kahan_summation:
             form = state_format(self.config.state_dtype, self._rounding_seed)
             for group in state_dict["param_groups"]:

@@ -204,6 +204,26 @@ def case_fsdp2_bf16_moments(rank, device, work_dir):
                            rounding_seed=99)
 
 
+def case_fsdp2_8bit(rank, device, work_dir):
+    """8-bit moments under FSDP2, local shards split across batches: training
+    follows fp32 AdamW, each rank's scales have their own place in a DCP
+    checkpoint, which resumes bitwise at the same world size."""
+    model, reference = shard(build_wide(device)), shard(build_wide(device))
+    ours = SwapOptimizer(adamw(model.parameters()), swap_times=8, min_numel=64, state_dtype=torch.uint8)
+    plain = adamw(reference.parameters())
+    train(model, ours, 4, 0, device, rank)
+    train(reference, plain, 4, 0, device, rank)
+    assert_models_close(model, reference, rtol=0.05, atol=5e-3)
+    big = next(p for p in model.parameters() if local(p).numel() >= 4096)
+    assert isinstance(ours.state[big]["exp_avg_codes"], DTensor)
+    scales = ours.state_dict()["state"][[id(p) for p in model.parameters()].index(id(big))]["exp_avg_absmax"]
+    assert isinstance(scales, DTensor) and scales.shape[0] == WORLD
+    assert torch.equal(scales.to_local()[0, :ours.state[big]["exp_avg_absmax"].numel()],
+                       ours.state[big]["exp_avg_absmax"])
+    save_checkpoint(model, ours, work_dir)
+    assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir, state_dtype=torch.uint8)
+
+
 def case_ddp(rank, device, work_dir):
     model = DistributedDataParallel(build(device))
     reference = DistributedDataParallel(build(device))
@@ -221,7 +241,7 @@ def case_ddp(rank, device, work_dir):
 
 CASES = {"fsdp2": case_fsdp2, "fsdp2_checkpoint": case_fsdp2_checkpoint,
          "fsdp2_mixed_precision": case_fsdp2_mixed_precision, "fsdp2_split": case_fsdp2_split,
-         "fsdp2_bf16_moments": case_fsdp2_bf16_moments, "ddp": case_ddp}
+         "fsdp2_bf16_moments": case_fsdp2_bf16_moments, "fsdp2_8bit": case_fsdp2_8bit, "ddp": case_ddp}
 
 
 def run_rank(rank, case, work_dir, backend, port):
