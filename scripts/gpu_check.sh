@@ -49,9 +49,10 @@ tail -3 "$OUT/checks.log"
 
 # compute-sanitizer memcheck on a short run: both pipelines (one and two copy
 # streams), the fused kernels, the resident batch, params split across batches
-# (strided copies, the device step table); any finding fails the stage. (No
-# racecheck: the kernels use no shared memory; the ordering of the streams is
-# checked by the delayed-copy test above.)
+# (strided copies, the device step table), the compact-state kernels (bf16
+# stochastic, 8-bit, Kahan); any finding fails the stage. Racecheck only on the
+# 8-bit kernel, the one kernel with shared memory (its CUB block reductions);
+# the ordering of the streams is checked by the delayed-copy test above.
 sanitizer_run=$(mktemp --suffix=.py)
 cat >"$sanitizer_run" <<'PYEOF'
 import torch
@@ -67,19 +68,42 @@ for arenas, state_keys in ((2, None), (3, None), (3, ("exp_avg",))):  # the last
         opt.step()
         opt.zero_grad()
     opt.state_dict()
+for dtype, fields in ((torch.float32, dict(state_dtype=torch.bfloat16)), (torch.float32, dict(state_dtype=torch.uint8)),
+                      (torch.bfloat16, dict(state_dtype=torch.uint8, kahan_summation=True))):
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 255)).cuda().to(dtype)
+    opt = SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, amsgrad=True), swap_times=3, min_numel=300,
+                        **fields)
+    for _ in range(2):
+        model(torch.randn(8, 256, device="cuda", dtype=dtype)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
 torch.cuda.synchronize()
 print("sanitizer run done")
+PYEOF
+racecheck_run=$(mktemp --suffix=.py)
+cat >"$racecheck_run" <<'PYEOF'
+import torch
+from swap_optimizer import SwapOptimizer
+p = torch.nn.Parameter(torch.randn(3 * 256 + 100, device="cuda"))  # whole and partial blocks
+opt = SwapOptimizer(torch.optim.AdamW([p], amsgrad=True), swap_times=1, min_numel=0, state_dtype=torch.uint8)
+p.grad = torch.randn_like(p)
+opt.step()
+torch.cuda.synchronize()
+print("racecheck run done")
 PYEOF
 stage "compute-sanitizer memcheck" 30 "$OUT/checks.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
   "$PY" -P "$sanitizer_run"
 
-stage kernel-bench 20 "$OUT/checks.log" "$PY" -P benchmarks/kernel_bench.py --device cuda --json "$OUT/kernel_bench.json"
+stage "compute-sanitizer racecheck" 15 "$OUT/checks.log" compute-sanitizer --tool racecheck --error-exitcode 3 \
+  "$PY" -P "$racecheck_run"
+
+stage kernel-bench 15 "$OUT/checks.log" "$PY" -P benchmarks/kernel_bench.py --device cuda --json "$OUT/kernel_bench.json"
 
 # 1.3b: 5.3 GB of bf16 state, 15.8 GB with fp32 masters and states, moved each
 # way every step; the model is built on the GPU, host stores pinned afresh for
 # each mode.
 BENCH=(--device cuda --preset 1.3b --num-arenas 2,3 --warmup 1 --repeats 5)
-stage bench-bf16 55 "$OUT/bench.log" "$PY" -P -m swap_optimizer.bench "${BENCH[@]}" --dtype bf16 --swap-times 8 \
+stage bench-bf16 45 "$OUT/bench.log" "$PY" -P -m swap_optimizer.bench "${BENCH[@]}" --dtype bf16 --swap-times 8 \
   --json "$OUT/bench_bf16.json" --plot "$OUT/bench_bf16.png"
 
 "$PY" - "$OUT" <<'PYEOF' | tee "$OUT/summary.txt"

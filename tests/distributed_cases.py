@@ -220,6 +220,17 @@ def case_fsdp2_8bit(rank, device, work_dir):
     assert isinstance(scales, DTensor) and scales.shape[0] == WORLD
     assert torch.equal(scales.to_local()[0, :ours.state[big]["exp_avg_absmax"].numel()],
                        ours.state[big]["exp_avg_absmax"])
+    # Scales saved at another world size (3 rows here) are refused, naming the way round.
+    index = [id(p) for p in model.parameters()].index(id(big))
+    other = ours.state_dict()
+    other["state"][index] = dict(other["state"][index], exp_avg_absmax=torch.zeros(3, scales.shape[1]))
+    before = ours.state[big]["exp_avg_codes"].to_local().clone()
+    try:
+        ours.load_state_dict(other)
+        raise AssertionError("scales of another world size were accepted")
+    except ValueError as error:
+        assert "saved at another world size or sharding" in str(error) and "state_dtype=torch.float32" in str(error)
+    assert torch.equal(ours.state[big]["exp_avg_codes"].to_local(), before)
     save_checkpoint(model, ours, work_dir)
     assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir, state_dtype=torch.uint8)
 
