@@ -13,6 +13,11 @@ import torch
 
 from . import _C
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed support
+    DTensor = ()
+
 BLOCK_SIZE = 256  # elements per absmax scale
 MIN_QUANTIZED_NUMEL = 4096  # smaller params keep unquantized moments
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -42,7 +47,7 @@ def quantize(values: torch.Tensor, moment: str) -> tuple[torch.Tensor, torch.Ten
     padded = torch.zeros(blocks * BLOCK_SIZE)
     padded[:count] = flat
     padded = padded.view(blocks, BLOCK_SIZE)
-    magnitude = padded.abs().nan_to_num(nan=0.0, posinf=float("inf"))
+    magnitude = padded.abs().nan_to_num(nan=0.0, posinf=float("inf"))  # NaN counts as 0, as in the kernels
     absmax = magnitude.amax(dim=1) if blocks else torch.zeros(0)
     scale = absmax[:, None].expand_as(padded)
     normalized = torch.where(scale > 0, padded / scale, torch.zeros(()))
@@ -54,6 +59,7 @@ def quantize(values: torch.Tensor, moment: str) -> tuple[torch.Tensor, torch.Ten
     else:
         midpoints = (table[:-1] + table[1:]) / 2
         codes = torch.bucketize(normalized, midpoints)
+    codes = torch.where(normalized.isnan(), 0, codes)  # as the kernels: a NaN compares below nothing
     return codes.to(torch.uint8).reshape(-1)[:count].reshape(values.shape), absmax
 
 
@@ -62,6 +68,20 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, moment: str) -> torch.
     flat = codes.reshape(-1).long()
     scale = absmax.to(torch.float32).repeat_interleave(BLOCK_SIZE)[:flat.numel()]
     return (code_map(moment).to(codes.device)[flat] * scale.to(codes.device)).reshape(codes.shape)
+
+
+def _dequantize_shards(codes: torch.Tensor, absmax: torch.Tensor, moment: str) -> torch.Tensor:
+    """Decodes an FSDP2 param's full codes whose scales are [world, scales]:
+    rank r held rows [r * chunk, (r + 1) * chunk) of dim 0 (torch.chunk's
+    split, FSDP2's) and its blocks started at its own first element."""
+    world = absmax.shape[0]
+    chunk = -(-codes.shape[0] // world)
+    parts = []
+    for rank in range(world):
+        shard = codes[rank * chunk:(rank + 1) * chunk]
+        blocks = -(-shard.numel() // BLOCK_SIZE)
+        parts.append(dequantize(shard, absmax[rank, :blocks], moment))
+    return torch.cat(parts)
 
 
 def state_format(state_dtype: Any, rounding_seed: Any) -> dict:
@@ -92,8 +112,14 @@ def dequantize_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
             if (codes is None) != (absmax is None):
                 raise ValueError(f"dequantize_state_dict: param {param_id!r} has only one of {moment}_codes and "
                                  f"{moment}_absmax; both are needed to decode it")
-            if codes is not None:
-                entry[moment] = dequantize(codes, absmax, moment)
+            if codes is None:
+                continue
+            if isinstance(codes, DTensor) or isinstance(absmax, DTensor):
+                raise ValueError(f"dequantize_state_dict: param {param_id!r}'s {moment} is sharded (DTensors); "
+                                 "decode a full state dict (get_optimizer_state_dict with full_state_dict=True), "
+                                 "or load it into a SwapOptimizer with state_dtype=torch.float32")
+            entry[moment] = dequantize(codes, absmax, moment) if absmax.dim() == 1 else \
+                _dequantize_shards(codes, absmax, moment)
         entry.pop("compensation", None)
         plain_state[param_id] = entry
     groups = []

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from . import _C
-from .compact import FORMAT_KEY, MOMENTS, dequantize, quantize, state_format
+from .compact import FORMAT_KEY, MIN_QUANTIZED_NUMEL, MOMENTS, code_map, dequantize, quantize, state_format
 from .config import SwapOptimizerConfig
 
 try:
@@ -172,9 +172,21 @@ def _global_offset(param: torch.Tensor, index: int) -> int:
     return int(offset[0]) * row if offset else 0
 
 
-def _check_fsdp_8bit(param: torch.Tensor, index: int) -> None:
+def _shared_default_seed() -> int:
+    """torch's initial seed, rank 0's under torch.distributed: DDP replicas and
+    FSDP2 shards must draw from one generator, even if ranks seeded torch apart."""
+    seed = torch.initial_seed() % 2 ** 63
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        shared = [seed]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        seed = shared[0]
+    return seed
+
+
+def _check_fsdp_8bit(param: torch.Tensor, where: str) -> None:
     if param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
-        raise ValueError(f"SwapOptimizer: param {index} is a DTensor placed {tuple(param.placements)} on a "
+        raise ValueError(f"{where} is a DTensor placed {tuple(param.placements)} on a "
                          f"{param.device_mesh.ndim}-D mesh; 8-bit moments (state_dtype=torch.uint8) under DTensor need "
                          "a 1-D mesh and Shard(0) (FSDP2's default: fully_shard without HSDP or "
                          "shard_placement_fn), or use state_dtype=torch.bfloat16")
@@ -299,8 +311,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._runtime = None
         self._rounding_seed = None
         if self.config.state_dtype == torch.bfloat16:  # stochastic rounding; the seed is saved in state dicts
-            seed = self.config.rounding_seed
-            self._rounding_seed = torch.initial_seed() % 2 ** 63 if seed is None else seed
+            self._rounding_seed = self.config.rounding_seed
+            if self._rounding_seed is None:
+                self._rounding_seed = _shared_default_seed()
         if self.config.kahan_summation and not any(p.dtype != torch.float32 for p in all_params):
             warnings.warn("SwapOptimizer: kahan_summation=True applies to 16-bit params, and this optimizer has "
                           "none; it does nothing here", UserWarning, stacklevel=2)
@@ -402,10 +415,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         global_offsets = []
         if self._rounding_seed is not None:
             global_offsets = [_global_offset(p, i) for i, p in enumerate(params)]
+        quantized_params = []
         if self.config.state_dtype == torch.uint8:
             for i, p in enumerate(params):
                 if _is_dtensor(p):
-                    _check_fsdp_8bit(p, i)
+                    _check_fsdp_8bit(p, f"SwapOptimizer: param {i}")
+            # On the whole param (a DTensor's numel), so every rank's shard of it agrees.
+            quantized_params = [p.numel() >= MIN_QUANTIZED_NUMEL for p in params]
         swap_times = self.config.swap_times
         if self.config.staging_budget_bytes is not None:
             swap_times, smallest = _C.smallest_swap_times_for_budget(
@@ -423,7 +439,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                                  master_weights=self.config.master_weights, pin_memory=self.config.pin_memory,
                                  keep_arenas=self.config.keep_arenas, swap_keys=swap_keys,
                                  kahan_summation=self.config.kahan_summation, rounding_seed=self._rounding_seed,
-                                 global_offsets=global_offsets)
+                                 global_offsets=global_offsets, quantized_params=quantized_params)
         stats = runtime.memory_stats()
         if stats["unpinned_host_bytes"]:
             warnings.warn(f"SwapOptimizer: could not pin {stats['unpinned_host_bytes']} bytes of host memory; that "
@@ -516,6 +532,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         for moment in moments:
             if moment in entry and f"{moment}_codes" in entry:
                 raise ValueError(f"{where}: '{moment}' is saved both as values and as codes; keep one")
+            if (f"{moment}_codes" in entry) != (f"{moment}_absmax" in entry):
+                raise ValueError(f"{where}: has only one of '{moment}_codes' and '{moment}_absmax'; 8-bit moments "
+                                 "need both")
             if f"{moment}_codes" in entry:
                 values[moment] = self._checked_codes(param, entry, moment, where)
         for key in [m for m in moments if m in entry] + [k for k in ("master_param", "compensation") if k in entry]:
@@ -539,7 +558,9 @@ class SwapOptimizer(torch.optim.Optimizer):
                              f"{tuple(param.shape)}, got {getattr(codes, 'dtype', type(codes).__name__)} "
                              f"{tuple(getattr(codes, 'shape', ()))}")
         blocks = -(-_local(param).numel() // 256)
-        sharded = _is_dtensor(param)
+        # A DTensor param's scales come as a state dict has them ([world, scales])
+        # or as `state` holds them (this rank's, 1-D).
+        sharded = _is_dtensor(param) and isinstance(absmax, torch.Tensor) and absmax.dim() == 2
         if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.float32 or \
                 (not sharded and absmax.shape != (blocks,)):
             raise ValueError(f"{where}: '{moment}_absmax' must be a float32 tensor of {blocks} scales (one per 256 "
@@ -548,7 +569,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         for key, value in ((f"{moment}_codes", codes), (f"{moment}_absmax", absmax)):
             _check_readable(_local(value), where, key)
         if sharded:
-            _check_fsdp_8bit(param, 0)
+            _check_fsdp_8bit(param, where)
             absmax = _local_scales(absmax, param, blocks, where, f"{moment}_absmax")
         return _local_part(codes, param), absmax
 
@@ -718,6 +739,11 @@ class SwapOptimizer(torch.optim.Optimizer):
             saved_ids.extend(saved["params"])
             new_group = {**self.defaults, **saved, "params": group["params"]}
             form = new_group.pop(FORMAT_KEY, None)
+            for moment, values in (form.get("code_maps") or {}).items() if isinstance(form, dict) else ():
+                if moment in MOMENTS and list(values) != code_map(moment).tolist():
+                    raise ValueError(f"SwapOptimizer.load_state_dict: param group {g}'s {FORMAT_KEY} has another "
+                                     f"code map for {moment} than this version of swap_optimizer; decode the state "
+                                     "dict with the version that saved it (dequantize_state_dict) and load that")
             seed = form.get("rounding_seed") if isinstance(form, dict) else None
             if seed is not None and self._rounding_seed is not None:  # resumes the same rounding draws
                 if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:

@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing import assert_close
 
-from swap_optimizer import SwapOptimizer
+from swap_optimizer import SwapOptimizer, dequantize_state_dict
+from swap_optimizer.compact import dequantize
 
 WORLD = 2
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -220,6 +221,15 @@ def case_fsdp2_8bit(rank, device, work_dir):
     assert isinstance(scales, DTensor) and scales.shape[0] == WORLD
     assert torch.equal(scales.to_local()[0, :ours.state[big]["exp_avg_absmax"].numel()],
                        ours.state[big]["exp_avg_absmax"])
+    # A full state dict (scales a row per rank) decodes to what each rank's shard decodes to.
+    full = get_optimizer_state_dict(model, ours, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    codes, absmax = ours.state[big]["exp_avg_codes"], ours.state[big]["exp_avg_absmax"]
+    decoded = DTensor.from_local(dequantize(codes.to_local(), absmax, "exp_avg").to(device), big.device_mesh,
+                                 big.placements, shape=big.shape, stride=big.stride()).full_tensor()
+    if rank == 0:
+        name = [n for n, p in model.named_parameters() if p is big][0]
+        plain = dequantize_state_dict(full)["state"][name]
+        assert "exp_avg_codes" not in plain and torch.equal(plain["exp_avg"].to(device), decoded)
     # Scales saved at another world size (3 rows here) are refused, naming the way round.
     index = [id(p) for p in model.parameters()].index(id(big))
     other = ours.state_dict()
@@ -231,6 +241,11 @@ def case_fsdp2_8bit(rank, device, work_dir):
     except ValueError as error:
         assert "saved at another world size or sharding" in str(error) and "state_dtype=torch.float32" in str(error)
     assert torch.equal(ours.state[big]["exp_avg_codes"].to_local(), before)
+    # Quantized or not is decided on the whole param: 33 x 128 (4224 elements) has shards of 2176 and
+    # 2048, each under 4096, and both ranks keep 8-bit states for it.
+    small = shard(nn.Sequential(nn.Linear(128, 33)).to(device))
+    small_optimizer = SwapOptimizer(adamw(small.parameters()), min_numel=64, state_dtype=torch.uint8)
+    assert "exp_avg_codes" in small_optimizer._views[0] and local(small[0].weight).numel() < 4096
     save_checkpoint(model, ours, work_dir)
     assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir, state_dtype=torch.uint8)
 

@@ -202,6 +202,22 @@ def test_8bit_kernel_encoding_equals_reference_bitwise():
         assert torch.equal(state[f"{key}_codes"], codes), key
 
 
+def test_nan_moments_encode_alike_in_kernel_and_python():
+    """A NaN moment (a diverged run) is stored as code 0 and left out of its
+    block's absmax, by the kernel and by the encoder used when loading."""
+    grad = torch.randn(5000, generator=torch.Generator().manual_seed(7))
+    grad[[3, 700]] = float("nan")
+    p = torch.zeros(5000).requires_grad_()
+    opt = so.SwapOptimizer(torch.optim.AdamW([p], lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, amsgrad=True),
+                           swap_times=1, min_numel=0, state_dtype=torch.uint8)
+    p.grad = grad.clone()
+    opt.step()
+    for key, value in (("exp_avg", grad), ("exp_avg_sq", grad * grad), ("max_exp_avg_sq", grad * grad)):
+        codes, absmax = so.compact.quantize(value, key)
+        assert torch.isfinite(absmax).all() and codes[3] == 0 and codes[700] == 0
+        assert torch.equal(opt.state[p][f"{key}_codes"], codes) and torch.equal(opt.state[p][f"{key}_absmax"], absmax)
+
+
 def test_8bit_small_params_keep_plain_states_and_partial_blocks_work():
     g = torch.Generator().manual_seed(3)
     small, odd = torch.randn(4095, generator=g), torch.randn(5000, generator=g)  # 5000 = 19 blocks + 136

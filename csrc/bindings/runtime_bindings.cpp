@@ -29,6 +29,7 @@ struct CompactOptions {
   bool kahan_summation = false;
   std::optional<int64_t> rounding_seed;
   std::vector<int64_t> global_offsets;
+  std::vector<bool> quantized_params;
 };
 
 RuntimeOptions make_options(int64_t swap_times, int64_t num_arenas,
@@ -47,6 +48,7 @@ RuntimeOptions make_options(int64_t swap_times, int64_t num_arenas,
   options.kahan_summation = compact.kahan_summation;
   options.rounding_seed = compact.rounding_seed;
   options.global_offsets = std::move(compact.global_offsets);
+  options.quantized_params = std::move(compact.quantized_params);
   std::copy(swap_keys.begin(), swap_keys.end(), options.swap_keys.begin());
   return options;
 }
@@ -91,18 +93,20 @@ void bind_runtime(py::module& module) {
                        std::optional<c10::ScalarType> state_dtype, bool master_weights,
                        bool pin_memory, bool keep_arenas, const std::vector<bool>& swap_keys,
                        bool kahan_summation, std::optional<int64_t> rounding_seed,
-                       std::vector<int64_t> global_offsets) {
+                       std::vector<int64_t> global_offsets, std::vector<bool> quantized_params) {
              return std::make_unique<SwapRuntime>(
                  std::move(params), std::move(group_of_param), group_amsgrad, swappable,
                  make_options(swap_times, num_arenas, state_dtype, master_weights, pin_memory,
                               keep_arenas, swap_keys,
-                              {kahan_summation, rounding_seed, std::move(global_offsets)}));
+                              {kahan_summation, rounding_seed, std::move(global_offsets),
+                               std::move(quantized_params)}));
            }),
            py::arg("params"), py::arg("group_of_param"), py::arg("group_amsgrad"),
            py::arg("swappable"), py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"),
            py::arg("state_dtype"), py::arg("master_weights"), py::arg("pin_memory"),
            py::arg("keep_arenas"), py::arg("swap_keys"), py::arg("kahan_summation") = false,
-           py::arg("rounding_seed") = py::none(), py::arg("global_offsets") = std::vector<int64_t>{})
+           py::arg("rounding_seed") = py::none(), py::arg("global_offsets") = std::vector<int64_t>{},
+           py::arg("quantized_params") = std::vector<bool>{})
       .def("state_views",
            [](const SwapRuntime& self, int64_t param) {
              py::dict views;
@@ -205,7 +209,7 @@ void bind_runtime(py::module& module) {
          int64_t num_arenas, std::optional<c10::ScalarType> state_dtype, bool master_weights,
          const std::vector<bool>& swap_keys, bool kahan_summation) {
         const RuntimeOptions options = make_options(swap_times, num_arenas, state_dtype, master_weights, true,
-                                                    false, swap_keys, {kahan_summation, std::nullopt, {}});
+                                                    false, swap_keys, {kahan_summation, std::nullopt, {}, {}});
         const runtime::StorePlan plan = runtime::plan_store(
             runtime::make_slot_specs(params, group_of_param, group_amsgrad, swappable, options), options.swap_keys,
             swap_times);
@@ -234,7 +238,7 @@ void bind_runtime(py::module& module) {
          std::optional<c10::ScalarType> state_dtype, bool master_weights,
          const std::vector<bool>& swap_keys, int64_t num_arenas, int64_t budget_bytes, bool kahan_summation) {
         const RuntimeOptions options = make_options(1, num_arenas, state_dtype, master_weights, true, false,
-                                                    swap_keys, {kahan_summation, std::nullopt, {}});
+                                                    swap_keys, {kahan_summation, std::nullopt, {}, {}});
         int64_t smallest_possible = 0;
         const int64_t swap_times = runtime::smallest_swap_times_for_budget(
             runtime::make_slot_specs(params, group_of_param, group_amsgrad, swappable, options),

@@ -35,10 +35,15 @@ CodeMap make_dynamic_map(bool is_signed) {
 }
 
 // Bucket b holds the floats whose top bits are b; its lowest value is its
-// smallest bit pattern when positive, its largest when negative.
+// smallest bit pattern when positive, its largest when negative. Buckets of
+// infinities and NaNs (which compare below nothing) start at 0.
 void fill_bucket_starts(const float* sorted, uint8_t* starts) {
   constexpr int kLowBits = 32 - kBucketBits;
   for (uint32_t bucket = 0; bucket < (1u << kBucketBits); ++bucket) {
+    if (((bucket << kLowBits) & 0x7f800000u) == 0x7f800000u) {
+      starts[bucket] = 0;
+      continue;
+    }
     const bool negative = (bucket >> (kBucketBits - 1)) != 0;
     const uint32_t lowest = (bucket << kLowBits) | (negative ? (1u << kLowBits) - 1 : 0u);
     starts[bucket] = static_cast<uint8_t>(count_below(sorted, nullptr, float_from_bits(lowest)));

@@ -100,9 +100,10 @@ SWAP_HOST_DEVICE inline uint16_t bf16_bits_stochastic(float x, uint32_t random) 
   return static_cast<uint16_t>((bits + (random & 0xffffu)) >> 16);
 }
 
-// Max of |x| that ignores NaN, so the block reduction is order-free.
+// |x| (also of -0.0), 0 for NaN: the block max then ignores NaN and does not
+// depend on the reduction's order. A NaN moment is stored as code 0.
 SWAP_HOST_DEVICE inline float magnitude_for_absmax(float x) {
-  return x == x ? (x < 0.f ? -x : x) : 0.f;
+  return x == x ? fabsf(x) : 0.f;
 }
 
 // How many of sorted[0..254] are below x: a binary search of fixed depth, or,

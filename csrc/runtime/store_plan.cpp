@@ -92,8 +92,9 @@ PieceBatches fill_with_splits(const std::vector<SlotSpec>& specs, const std::vec
         break;
       }
       if (remaining >= 2 * min_piece) {
-        // The largest granule-aligned head that fits, leaving at least a piece behind
-        // (a multiple of the granule has no alignment padding).
+        // The largest granule-aligned head whose states fit, leaving at least a
+        // piece behind (its regions' alignment padding, under 256 bytes each, may
+        // overshoot the room: less than a piece, which arenas are sized for).
         int64_t head = std::max<int64_t>(room, 0) / per_granule * kSplitGranule;
         head = std::min(head, (remaining - min_piece) / kSplitGranule * kSplitGranule);
         if (head < min_piece && used == 0) head = min_piece;  // the capacity is below one piece

@@ -76,7 +76,9 @@ std::vector<SlotSpec> make_slot_specs(const std::vector<at::Tensor>& params,
     SlotSpec spec{param.numel(), static_cast<int64_t>(c10::elementSize(state_dtype_of(options, dtype))),
                   static_cast<bool>(group_amsgrad[group]), options.master_weights && dtype != at::kFloat,
                   static_cast<bool>(swappable[i])};
-    if (options.state_dtype == at::kByte && param.numel() >= kMinQuantizedNumel) {
+    const bool quantized = options.quantized_params.empty() ? param.numel() >= kMinQuantizedNumel
+                                                            : static_cast<bool>(options.quantized_params[i]);
+    if (options.state_dtype == at::kByte && quantized) {
       spec.quantized = true;
       spec.state_element_size = 1;
     }
@@ -306,6 +308,8 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
 
   TORCH_CHECK_VALUE(options_.global_offsets.empty() || options_.global_offsets.size() == params_.size(),
                     "SwapRuntime: one global offset per param, or none");
+  TORCH_CHECK_VALUE(options_.quantized_params.empty() || options_.quantized_params.size() == params_.size(),
+                    "SwapRuntime: one quantized flag per param, or none");
   TORCH_CHECK_VALUE(!options_.kahan_summation || !options_.master_weights,
                     "SwapOptimizer: kahan_summation and master_weights both keep the rounding error of 16-bit "
                     "params; choose one");

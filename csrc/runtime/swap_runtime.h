@@ -33,6 +33,10 @@ struct RuntimeOptions {
   // Per param: the global index of its first local element (a shard's offset
   // in the whole param), which keys stochastic rounding; empty: all 0.
   std::vector<int64_t> global_offsets;
+  // Per param, with state_dtype kByte: whether its moments are 8-bit, decided
+  // on the whole param (under sharding every rank must agree, whatever its
+  // shard's size); empty: local numel >= kMinQuantizedNumel.
+  std::vector<bool> quantized_params;
   bool pin_memory = true;
   bool keep_arenas = false;
   KeyFlags swap_keys{true, true, true, true, true, true, true, true};  // which states of swappable params go to the host

@@ -2,6 +2,7 @@
 // that have it (see select_update_fn in fused_adam_cpu.cpp). Every header that
 // is not at::vec is included before the target switch, so only this file's own
 // functions and at::vec's AVX512 namespace are compiled for AVX-512 (F, BW, VL, DQ) + FMA.
+#include "compact_update_cpu.h"
 #include "cpu_update.h"
 
 #ifdef SWAP_OPTIMIZER_CPU_ISA_VARIANTS
@@ -40,8 +41,10 @@
 #endif
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
+#include "compact_lanes.h"
 #include "cpu_lanes.h"
 
 SWAP_OPTIMIZER_DEFINE_CPU_ENTRY(update_params_avx512)
+SWAP_OPTIMIZER_DEFINE_COMPACT_ENTRY(update_compact_rows_avx512)
 #pragma GCC pop_options
 #endif

@@ -1,8 +1,10 @@
 // Interface between the CPU op (fused_adam_cpu.cpp) and the loops for rows
-// with compact states (compact_update_cpu.cpp).
+// with compact states (compact_lanes.h, built per instruction set by
+// capability_*.cpp).
 #pragma once
 
 #include "../compact_update.h"
+#include "cpu_update.h"
 
 #include <c10/core/ScalarType.h>
 
@@ -17,7 +19,15 @@ struct CompactWork {
 };
 
 // Updates every row; scalars[row.scalars_index] are its step scalars.
-void update_compact_rows_cpu(const std::vector<CompactWork>& work, const std::vector<StepScalars>& scalars,
-                             const AdamHyper& hyper, const float* grad_scale);
+using CompactUpdateFn = void (*)(const std::vector<CompactWork>& work, const std::vector<StepScalars>& scalars,
+                                 const AdamHyper& hyper, const float* grad_scale);
+void update_compact_rows_default(const std::vector<CompactWork>&, const std::vector<StepScalars>&,
+                                 const AdamHyper&, const float*);
+#ifdef SWAP_OPTIMIZER_CPU_ISA_VARIANTS
+void update_compact_rows_avx2(const std::vector<CompactWork>&, const std::vector<StepScalars>&,
+                              const AdamHyper&, const float*);
+void update_compact_rows_avx512(const std::vector<CompactWork>&, const std::vector<StepScalars>&,
+                                const AdamHyper&, const float*);
+#endif
 
 }  // namespace swap_optimizer

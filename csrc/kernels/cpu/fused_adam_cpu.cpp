@@ -25,6 +25,15 @@ CpuUpdateFn select_update_fn() {
   return &update_params_default;
 }
 
+CompactUpdateFn select_compact_fn() {
+#ifdef SWAP_OPTIMIZER_CPU_ISA_VARIANTS
+  const std::string capability = at::get_cpu_capability();
+  if (capability == "AVX512") return &update_compact_rows_avx512;
+  if (capability == "AVX2") return &update_compact_rows_avx2;
+#endif
+  return &update_compact_rows_default;
+}
+
 void fused_adam_packed_cpu(at::TensorList params, at::TensorList grads, const at::Tensor& arena,
                            const at::Tensor& layout, const at::Tensor& steps, double lr,
                            double beta1, double beta2, double eps, double weight_decay,
@@ -77,7 +86,8 @@ void fused_adam_packed_cpu(at::TensorList params, at::TensorList grads, const at
   for (size_t g = 0; g < groups.size(); ++g) {
     if (!groups[g].empty()) update(static_cast<DtypePair>(g), groups[g], hyper, scale);
   }
-  if (!compact.empty()) update_compact_rows_cpu(compact, compact_scalars, hyper, scale);
+  static const CompactUpdateFn update_compact = select_compact_fn();
+  if (!compact.empty()) update_compact(compact, compact_scalars, hyper, scale);
 }
 
 }  // namespace

@@ -1,20 +1,20 @@
-// CPU loops for rows with compact states (compact_update.h): scalar code,
-// parallel over chunks of rows. An 8-bit row is updated a block at a time: the
-// block's moments are decoded, updated and kept in fp32, then re-encoded
-// against the block's new absmax.
+// CPU loops for rows with compact states (compact_update.h): scalar code the
+// compiler may vectorise, parallel over chunks of rows. An 8-bit row is updated
+// a block at a time: the block's moments are decoded, updated and kept in fp32,
+// then re-encoded against the block's new absmax. Included once per instruction
+// set by capability_*.cpp, like cpu_lanes.h (hardware FMA where there is one).
 #include "compact_update_cpu.h"
-
-#include "../compact_update.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 
 namespace swap_optimizer {
+namespace CPU_CAPABILITY {
 namespace {
 
-constexpr int64_t kChunkElements = 16384;  // a multiple of kQuantBlock
-static_assert(kChunkElements % kQuantBlock == 0, "chunks hold whole blocks");
+constexpr int64_t kCompactChunkElements = 16384;
+static_assert(kCompactChunkElements % kQuantBlock == 0, "chunks hold whole blocks");
 
 template <typename param_t, typename state_t>
 void update_values(const CompactRow& r, int64_t begin, int64_t end, const AdamHyper& hyper,
@@ -69,8 +69,8 @@ ChunkFn chunk_fn(c10::ScalarType param_dtype, c10::ScalarType state_dtype) {
 
 }  // namespace
 
-void update_compact_rows_cpu(const std::vector<CompactWork>& work, const std::vector<StepScalars>& scalars,
-                             const AdamHyper& hyper, const float* grad_scale) {
+inline void update_compact_rows(const std::vector<CompactWork>& work, const std::vector<StepScalars>& scalars,
+                                const AdamHyper& hyper, const float* grad_scale) {
   struct Chunk {
     int64_t work_index;
     int64_t begin;
@@ -78,8 +78,8 @@ void update_compact_rows_cpu(const std::vector<CompactWork>& work, const std::ve
   };
   std::vector<Chunk> chunks;
   for (int64_t k = 0; k < static_cast<int64_t>(work.size()); ++k) {
-    for (int64_t begin = 0; begin < work[k].row.numel; begin += kChunkElements) {
-      chunks.push_back({k, begin, std::min(begin + kChunkElements, work[k].row.numel)});
+    for (int64_t begin = 0; begin < work[k].row.numel; begin += kCompactChunkElements) {
+      chunks.push_back({k, begin, std::min(begin + kCompactChunkElements, work[k].row.numel)});
     }
   }
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
@@ -91,4 +91,14 @@ void update_compact_rows_cpu(const std::vector<CompactWork>& work, const std::ve
   });
 }
 
+}  // namespace CPU_CAPABILITY
 }  // namespace swap_optimizer
+
+// Defines the compact entry point named in compact_update_cpu.h for the capability being built.
+#define SWAP_OPTIMIZER_DEFINE_COMPACT_ENTRY(entry)                                                       \
+  namespace swap_optimizer {                                                                             \
+  void entry(const std::vector<CompactWork>& work, const std::vector<StepScalars>& scalars,             \
+             const AdamHyper& hyper, const float* grad_scale) {                                          \
+    CPU_CAPABILITY::update_compact_rows(work, scalars, hyper, grad_scale);                               \
+  }                                                                                                      \
+  }
