@@ -4,8 +4,8 @@
 # (python -P: never the source folder, which has no extension; random delays on
 # the CUDA copy streams compared bitwise with an undelayed run are among them),
 # compute-sanitizer memcheck on a short training run, the kernel benchmark and
-# the peak-memory benchmark (1.3b preset, bf16 with and without master
-# weights), and print a one-screen summary last. Logs and JSON go to $OUT
+# the peak-memory benchmark (1.3b preset, bf16 with 3 arenas: plain, fp32
+# masters, Kahan + 8-bit moments), and print a one-screen summary last. Logs and JSON go to $OUT
 # (build.log, checks.log, kernel_bench.json, bench.log, bench_bf16.json,
 # bench_bf16.png, summary.txt). Each stage has its own time limit, adding up to
 # under 6 minutes, so a rerun fits in a 15-minute window; any failing stage
@@ -99,10 +99,10 @@ stage "compute-sanitizer racecheck" 15 "$OUT/checks.log" compute-sanitizer --too
 
 stage kernel-bench 15 "$OUT/checks.log" "$PY" -P benchmarks/kernel_bench.py --device cuda --json "$OUT/kernel_bench.json"
 
-# 1.3b: 5.3 GB of bf16 state, 15.8 GB with fp32 masters and states, moved each
-# way every step; the model is built on the GPU, host stores pinned afresh for
-# each mode.
-BENCH=(--device cuda --preset 1.3b --num-arenas 2,3 --warmup 1 --repeats 5)
+# 1.3b: 5.3 GB of bf16 state, 15.8 GB with fp32 masters and states, 5.3 GB
+# with Kahan buffers and 8-bit moments, moved each way every step; the model is
+# built on the GPU, host stores pinned afresh for each mode.
+BENCH=(--device cuda --preset 1.3b --num-arenas 3 --warmup 1 --repeats 5 --state-modes default,kahan+8bit)
 stage bench-bf16 45 "$OUT/bench.log" "$PY" -P -m swap_optimizer.bench "${BENCH[@]}" --dtype bf16 --swap-times 8 \
   --json "$OUT/bench_bf16.json" --plot "$OUT/bench_bf16.png"
 
@@ -121,12 +121,14 @@ for name in ("bench_bf16.json",):
     print(f"\n{model['preset']} {model['dtype']} on {env.get('device_name')} (torch {env['torch']}, CUDA {env['cuda']}); "
           f"H2D {bw['host_to_device']/1e9:.1f} GB/s, D2H {bw['device_to_host']/1e9:.1f} GB/s, both {bw['both_directions']/1e9:.1f} GB/s")
     resident = next(r for r in report["modes"] if r["kind"] == "resident")
-    print(f"{'mode':<22}{'peak GiB':>10}{'vs resident':>13}{'step ms':>10}{'floor ms':>10}{'step/floor':>12}")
+    print(f"{'mode':<26}{'peak GiB':>10}{'vs resident':>13}{'step ms':>10}{'floor ms':>10}{'step/floor':>12}"
+          f"{'B/param':>9}")
     for r in report["modes"]:
         floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.1f}"
         over = "-" if r["step_over_floor"] is None else f"{r['step_over_floor']:.2f}"
-        print(f"{r['mode']:<22}{r['peak_train_bytes']/2**30:>10.2f}{r['peak_train_bytes']/resident['peak_train_bytes']:>13.2f}"
-              f"{r['step_ms']:>10.1f}{floor:>10}{over:>12}")
+        per_param = "-" if r.get("bytes_per_param_each_way") is None else f"{r['bytes_per_param_each_way']:.2f}"
+        print(f"{r['mode']:<26}{r['peak_train_bytes']/2**30:>10.2f}{r['peak_train_bytes']/resident['peak_train_bytes']:>13.2f}"
+              f"{r['step_ms']:>10.1f}{floor:>10}{over:>12}{per_param:>9}")
 PYEOF
 echo "== stages"
 printf '%s\n' "${results[@]}" | tee -a "$OUT/summary.txt"

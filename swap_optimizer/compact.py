@@ -40,7 +40,9 @@ def code_map(moment: str) -> torch.Tensor:
 def quantize(values: torch.Tensor, moment: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, absmax) of `values`: uint8 codes of the same shape (on the CPU) and
     one float32 absmax per block of BLOCK_SIZE elements in flat order. Nearest
-    code, except max_exp_avg_sq, which rounds up (it must stay a maximum)."""
+    code, except that exp_avg_sq never codes a positive value as 0 (the step
+    would be lr * m / eps), and max_exp_avg_sq rounds up (it must stay a
+    maximum)."""
     flat = values.detach().reshape(-1).to("cpu", torch.float32)
     count = flat.numel()
     blocks = -(-count // BLOCK_SIZE)
@@ -59,6 +61,8 @@ def quantize(values: torch.Tensor, moment: str) -> tuple[torch.Tensor, torch.Ten
     else:
         midpoints = (table[:-1] + table[1:]) / 2
         codes = torch.bucketize(normalized, midpoints)
+        if moment == "exp_avg_sq":
+            codes = torch.where((codes == 0) & (padded > 0), 1, codes)
     codes = torch.where(normalized.isnan(), 0, codes)  # as the kernels: a NaN compares below nothing
     return codes.to(torch.uint8).reshape(-1)[:count].reshape(values.shape), absmax
 

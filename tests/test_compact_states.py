@@ -47,7 +47,8 @@ def maps():
 
 def ref_quantize(values: torch.Tensor, moment: str):
     """Blockwise absmax quantization from torch ops: nearest code by the
-    midpoints (ties down), max_exp_avg_sq rounded up."""
+    midpoints (ties down), a positive exp_avg_sq never code 0, max_exp_avg_sq
+    rounded up."""
     table = maps()[moment]
     flat = values.reshape(-1).float()
     blocks = -(-flat.numel() // 256)
@@ -59,6 +60,8 @@ def ref_quantize(values: torch.Tensor, moment: str):
         codes = codes + ((table[codes.clamp(max=255)] * absmax[:, None] < padded) & (codes < 255)).long()
     else:
         codes = torch.bucketize(norm, (table[:-1] + table[1:]) / 2)
+        if moment == "exp_avg_sq":
+            codes[(codes == 0) & (padded > 0)] = 1
     return codes.reshape(-1)[:flat.numel()].to(torch.uint8).view(values.shape), absmax
 
 
@@ -150,6 +153,9 @@ def test_quantize_round_trip_within_map_bound(moment):
     bound = (gap_at if moment == "max_exp_avg_sq" else gap_at / 2) * scale
     if moment == "exp_avg":  # the signed map ends at table[0] > -1: -absmax is that far from its code
         bound = torch.where(codes == 0, bound.maximum((1 + table[0]) * scale), bound)
+    if moment == "exp_avg_sq":  # a positive value never codes 0: up to table[1] from code 1
+        bound = torch.where(codes == 1, bound.maximum(table[1] * scale), bound)
+        assert torch.all((codes == 0) == (values == 0))
     bound = bound * (1 + 1e-5) + 1e-30  # the products above round
     assert torch.all((decoded - values).abs() <= bound)
     if moment == "max_exp_avg_sq":
@@ -216,6 +222,28 @@ def test_nan_moments_encode_alike_in_kernel_and_python():
         codes, absmax = so.compact.quantize(value, key)
         assert torch.isfinite(absmax).all() and codes[3] == 0 and codes[700] == 0
         assert torch.equal(opt.state[p][f"{key}_codes"], codes) and torch.equal(opt.state[p][f"{key}_absmax"], absmax)
+
+
+def test_8bit_rarely_used_elements_take_bounded_steps():
+    """Blocks mixing busy elements with rarely used ones (embedding rows of rare
+    tokens): the rare ones' exp_avg_sq is far below the block's absmax. When
+    their grad is then 0, their step stays bounded, as in plain AdamW, instead
+    of lr * m / eps (which a second moment coded 0 would give)."""
+    p = torch.zeros(4096).requires_grad_()
+    lr = 1e-3
+    opt = so.SwapOptimizer(torch.optim.AdamW([p], lr=lr, weight_decay=0.0), swap_times=1, min_numel=0,
+                           state_dtype=torch.uint8)
+    grad = torch.ones(4096)
+    grad[::2] = 1e-4  # every block has both kinds
+    p.grad = grad
+    opt.step()
+    for _ in range(5):
+        before = p.detach().clone()
+        grad = torch.ones(4096)
+        grad[::2] = 0.0
+        p.grad = grad
+        opt.step()
+        assert (p.detach() - before).abs().max() <= 2 * lr
 
 
 def test_8bit_small_params_keep_plain_states_and_partial_blocks_work():

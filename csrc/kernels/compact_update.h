@@ -92,7 +92,8 @@ SWAP_HOST_DEVICE inline float load_code(const CompactRow& r, const CodeMaps& map
 }
 
 // Stores an 8-bit moment given its block's new absmax: nearest code, except
-// max_exp_avg_sq, which rounds up so it never falls below a value it held.
+// that exp_avg_sq never codes a positive value as 0, and max_exp_avg_sq rounds
+// up so it never falls below a value it held.
 // `search` (host only, may be null) speeds up finding the code, not its value.
 SWAP_HOST_DEVICE inline void store_code(const CompactRow& r, const CodeMaps& maps, const CodeSearch* search, int k,
                                         int64_t i, float value, float absmax) {
@@ -100,7 +101,7 @@ SWAP_HOST_DEVICE inline void store_code(const CompactRow& r, const CodeMaps& map
   if (k == kMomentExpAvg) {
     codes[i] = encode_nearest(maps.signed_map, search ? search->signed_midpoints : nullptr, value, absmax);
   } else if (k == kMomentExpAvgSq) {
-    codes[i] = encode_nearest(maps.unsigned_map, search ? search->unsigned_midpoints : nullptr, value, absmax);
+    codes[i] = encode_second_moment(maps.unsigned_map, search ? search->unsigned_midpoints : nullptr, value, absmax);
   } else {
     codes[i] = encode_up(maps.unsigned_map, search ? search->unsigned_values : nullptr, value, absmax);
   }

@@ -135,6 +135,15 @@ SWAP_HOST_DEVICE inline uint8_t encode_up(const CodeMap& map, const uint8_t* buc
   return static_cast<uint8_t>(code);
 }
 
+// exp_avg_sq's code: the nearest, but never 0 for a positive value. A second
+// moment rounded to 0 beside a first moment that is not (a rarely used
+// embedding row in a block with busy ones) would step by lr * m / eps.
+SWAP_HOST_DEVICE inline uint8_t encode_second_moment(const CodeMap& map, const uint8_t* bucket_starts, float x,
+                                                     float absmax) {
+  const uint8_t code = encode_nearest(map, bucket_starts, x, absmax);
+  return code == 0 && x > 0.f ? 1 : code;
+}
+
 SWAP_HOST_DEVICE inline float decode(const CodeMap& map, uint8_t code, float absmax) {
   return map.values[code] * absmax;
 }
