@@ -606,7 +606,10 @@ class SwapOptimizer(torch.optim.Optimizer):
                             view[moment].copy_(dequantize(*value, moment) if isinstance(value, tuple) else value)
                 if "compensation" in view:
                     value = saved.get("compensation")
-                    view["compensation"].copy_(value) if value is not None else view["compensation"].zero_()
+                    if value is None:
+                        view["compensation"].zero_()
+                    else:
+                        view["compensation"].copy_(value)
                 if "master_param" in view:
                     value = saved.get("master_param")
                     if value is None or value.dtype != torch.float32 or \
