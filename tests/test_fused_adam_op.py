@@ -374,3 +374,67 @@ def _opcheck_args(device):
 def test_opcheck(device):
     args, kwargs = _opcheck_args(device)
     torch.library.opcheck(torch.ops.swap_optimizer.fused_adam_packed.default, args, kwargs)
+
+
+def _compact_opcheck_args(device, kind):
+    """One call with compact rows: 8-bit moments (a full param and a piece from
+    element 256), bf16 moments rounded stochastically, or a bf16 param with a
+    Kahan buffer; states filled with valid random values."""
+    columns = so.LAYOUT_COLUMNS
+    dtype = torch.bfloat16 if kind == "kahan" else torch.float32
+    params = random_params([5000, 700], dtype, device, seed=22)
+    grads = random_grads(params, 22, 0)
+    state_size = {"8bit": 1, "bf16": 2, "kahan": 4}[kind]
+    rows, cursor, fills = [], 0, []
+
+    def take(nbytes, fill):
+        nonlocal cursor
+        cursor = -(-cursor // 256) * 256
+        fills.append((cursor, nbytes, fill))
+        cursor += nbytes
+        return cursor - nbytes
+
+    for index, p in enumerate(params):
+        offset = 256 if index == 0 else 0
+        count = p.numel() - offset
+        row = [so.ops.ABSENT] * len(columns)
+        row[columns.index("numel")], row[columns.index("param_offset")] = count, offset
+        row[columns.index("step_index")], row[columns.index("advance_step")] = index, 1
+        row[columns.index("random_key")], row[columns.index("global_offset")] = index, 1000 + offset
+        for key in ("exp_avg", "exp_avg_sq"):
+            row[columns.index(key)] = take(count * state_size, "codes" if kind == "8bit" else key)
+            if kind == "8bit":
+                row[columns.index(f"{key}_absmax")] = take(-(-count // 256) * 4, "absmax")
+        if kind == "kahan":
+            row[columns.index("compensation")] = take(count * 2, "compensation")
+        rows.append(row)
+    arena = torch.zeros(cursor, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(23)
+    for start, nbytes, fill in fills:
+        region = arena[start:start + nbytes]
+        if fill == "codes":
+            region.copy_(torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8))
+        elif fill == "absmax":
+            region.view(torch.float32).copy_(torch.rand(nbytes // 4, generator=g) * 1e-2)
+        else:
+            target = torch.bfloat16 if fill == "compensation" or state_size == 2 else torch.float32
+            scale = {"exp_avg": 1e-2, "exp_avg_sq": 1e-4, "compensation": 1e-6}[fill]
+            values = torch.rand(nbytes // target.itemsize, generator=g) * scale
+            region.view(target).copy_(values.to(target))
+    kwargs = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=False, maximize=False,
+                  decoupled_weight_decay=True, state_dtype={"8bit": torch.uint8, "bf16": torch.bfloat16,
+                                                            "kahan": torch.float32}[kind],
+                  grad_scale=None, found_inf=None, rounding_seed=77 if kind == "bf16" else None)
+    layout = torch.tensor(rows, dtype=torch.int64)
+    return (params, grads, arena.to(device), layout, torch.tensor([2.0, 5.0], device=device)), kwargs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["8bit", "bf16", "kahan"])
+def test_opcheck_compact_rows(device, kind):
+    args, kwargs = _compact_opcheck_args(device, kind)
+    torch.library.opcheck(torch.ops.swap_optimizer.fused_adam_packed.default, args, kwargs)
+    arena_before = args[2].clone()
+    so.fused_adam_packed(*args[:5], lr=kwargs["lr"], betas=(0.9, 0.999), weight_decay=0.01,
+                         state_dtype=kwargs["state_dtype"], rounding_seed=kwargs["rounding_seed"])
+    assert not torch.equal(arena_before, args[2]), "the call updated the states"
