@@ -14,25 +14,21 @@
 namespace swap_optimizer {
 namespace {
 
-// The instruction set torch itself picked for this CPU; honours the
-// ATEN_CPU_CAPABILITY environment variable as torch's own kernels do.
-CpuUpdateFn select_update_fn() {
+// The build of a loop for the instruction set torch itself picked for this
+// CPU; honours the ATEN_CPU_CAPABILITY environment variable as torch's own
+// kernels do. (Without ISA variants only the default build exists.)
 #ifdef SWAP_OPTIMIZER_CPU_ISA_VARIANTS
+template <typename Fn>
+Fn for_this_cpu(Fn default_build, Fn avx2_build, Fn avx512_build) {
   const std::string capability = at::get_cpu_capability();
-  if (capability == "AVX512") return &update_params_avx512;
-  if (capability == "AVX2") return &update_params_avx2;
-#endif
-  return &update_params_default;
+  if (capability == "AVX512") return avx512_build;
+  if (capability == "AVX2") return avx2_build;
+  return default_build;
 }
-
-CompactUpdateFn select_compact_fn() {
-#ifdef SWAP_OPTIMIZER_CPU_ISA_VARIANTS
-  const std::string capability = at::get_cpu_capability();
-  if (capability == "AVX512") return &update_compact_rows_avx512;
-  if (capability == "AVX2") return &update_compact_rows_avx2;
+#define SWAP_OPTIMIZER_FOR_THIS_CPU(name) for_this_cpu(&name##_default, &name##_avx2, &name##_avx512)
+#else
+#define SWAP_OPTIMIZER_FOR_THIS_CPU(name) (&name##_default)
 #endif
-  return &update_compact_rows_default;
-}
 
 void fused_adam_packed_cpu(at::TensorList params, at::TensorList grads, const at::Tensor& arena,
                            const at::Tensor& layout, const at::Tensor& steps, double lr,
@@ -82,11 +78,11 @@ void fused_adam_packed_cpu(at::TensorList params, at::TensorList grads, const at
          static_cast<float*>(at_offset(r.master)), r.numel,
          make_step_scalars(lr, beta1, beta2, next_step)});
   }
-  static const CpuUpdateFn update = select_update_fn();
+  static const CpuUpdateFn update = SWAP_OPTIMIZER_FOR_THIS_CPU(update_params);
   for (size_t g = 0; g < groups.size(); ++g) {
     if (!groups[g].empty()) update(static_cast<DtypePair>(g), groups[g], hyper, scale);
   }
-  static const CompactUpdateFn update_compact = select_compact_fn();
+  static const CompactUpdateFn update_compact = SWAP_OPTIMIZER_FOR_THIS_CPU(update_compact_rows);
   if (!compact.empty()) update_compact(compact, compact_scalars, hyper, scale);
 }
 
