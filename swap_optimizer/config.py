@@ -61,6 +61,10 @@ class SwapOptimizerConfig:
         torch's fused AdamW. None follows the wrapped optimizer (fused=True:
         yes); frameworks that refuse such optimizers with gradient clipping
         (Lightning's bf16-mixed) then accept a plain AdamW.
+    overlap_forward: step() enqueues the step and returns; the updates run
+        beside the next forward, whose blocks wait for their own params
+        (SwapOptimizer's model= argument says which module to hook). Results
+        are bitwise those without it. See SwapOptimizer.wait().
     """
 
     swap_times: int = 16
@@ -75,12 +79,13 @@ class SwapOptimizerConfig:
     keep_arenas: bool = False
     staging_budget_bytes: Optional[int] = None
     unscale_in_step: Optional[bool] = None
+    overlap_forward: bool = False
 
     def __post_init__(self) -> None:
         _check_int("swap_times", self.swap_times, 1)
         _check_int("min_numel", self.min_numel, 0)
         _check_int("num_arenas", self.num_arenas, 2)
-        for name in ("master_weights", "kahan_summation", "pin_memory", "keep_arenas"):
+        for name in ("master_weights", "kahan_summation", "pin_memory", "keep_arenas", "overlap_forward"):
             _check_bool(name, getattr(self, name))
         if self.state_dtype not in _STATE_DTYPES:
             raise ValueError("SwapOptimizerConfig.state_dtype must be None (the param's dtype), torch.float32, "

@@ -15,6 +15,7 @@ import torch
 from . import _C
 from .compact import FORMAT_KEY, MIN_QUANTIZED_NUMEL, MOMENTS, code_map, dequantize, quantize, state_format
 from .config import SwapOptimizerConfig
+from .overlap import ForwardOverlap
 
 try:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -248,6 +249,14 @@ def _as_step_value(value: Any, where: str) -> float:
     raise ValueError(f"{where}: 'step' must be a number or a one-element tensor, got {type(value).__name__}")
 
 
+def _check_overlap_params(params: list[torch.Tensor]) -> None:
+    dtensors = [i for i, p in enumerate(params) if _is_dtensor(p)]
+    if dtensors:
+        raise ValueError(f"SwapOptimizer: overlap_forward=True does not support DTensor params yet (FSDP2 and tensor "
+                         f"parallel; param(s) {dtensors}): FSDP2 gathers params in its own hooks, which would read "
+                         "them before their update. Use overlap_forward=False with DTensor params")
+
+
 class SwapOptimizer(torch.optim.Optimizer):
     """Adam/AdamW whose state lives in host memory between steps.
 
@@ -297,8 +306,11 @@ class SwapOptimizer(torch.optim.Optimizer):
     found_inf = property(lambda self: self._amp_get("found_inf"), lambda self, v: self._amp_set("found_inf", v),
                          lambda self: self._amp_del("found_inf"))
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[SwapOptimizerConfig] = None,
-                 **fields: Any) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[SwapOptimizerConfig] = None, *,
+                 model: Optional[torch.nn.Module] = None, **fields: Any) -> None:
+        """model: with overlap_forward=True, the module whose forward uses the
+        params; its blocks get forward pre-hooks that wait for their params'
+        updates (see swap_optimizer.overlap)."""
         self.__dict__["_itself_ref"] = weakref.ref(self)
         self.config = SwapOptimizerConfig.from_fields(config, fields)
         _check_optimizer(optimizer)
@@ -307,6 +319,17 @@ class SwapOptimizer(torch.optim.Optimizer):
         all_params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device = _check_params(all_params, None)
         _check_distinct(all_params)
+        self._overlap = None
+        self._deferred = False  # a step enqueued with overlap_forward may still be running
+        if self.config.overlap_forward:
+            if model is None:
+                raise ValueError("SwapOptimizer(overlap_forward=True) needs model=: the module whose forward uses the "
+                                 "params, so that its blocks can wait for their updates")
+            _check_overlap_params(all_params)
+            self._overlap = ForwardOverlap(self, model, all_params)
+        elif model is not None:
+            raise ValueError("SwapOptimizer: model= is read only with overlap_forward=True; add overlap_forward=True "
+                             "or leave model= out")
         self.optimizer = optimizer
         self._runtime = None
         self._rounding_seed = None
@@ -342,6 +365,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             return self._itself.state
         runtime = self.__dict__.get("_runtime")
         if runtime is not None:
+            self.wait()
             runtime.synchronize()
         return self.__dict__["_state"]
 
@@ -458,6 +482,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         state = self.__dict__["_state"]
         state.clear()
         state.update((p, dict(entry)) for p, entry, shown in zip(params, self._entries, self._shown) if shown)
+        if self._overlap is not None:
+            _check_overlap_params(params)
+            self._overlap.lay_out(runtime, params)
         self._runtime = runtime
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._param_ids = [id(p) for p in params]
@@ -634,6 +661,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         if closure is not None:  # as torch.optim.Adam: evaluated once, before the update
             with torch.enable_grad():
                 loss = closure()
+        self.wait()  # after the closure, whose forward overlapped the last step
         self._stepping = True  # from here a signal handler may read, not change, the store
         stepped = False
         try:
@@ -660,8 +688,10 @@ class SwapOptimizer(torch.optim.Optimizer):
                     self._shown[i] = True
                     state[p] = dict(self._entries[i])
             stepped = True
+            deferred = self._overlap is not None
+            self._deferred = deferred  # before the call: an interrupt may land as soon as it returns
             self._runtime.step([_local(p) for p in params], grads, group_args, getattr(self, "grad_scale", None),
-                               getattr(self, "found_inf", None))
+                               getattr(self, "found_inf", None), deferred=deferred)
         finally:
             self._stepping = False
             if stepped:  # a stopped step leaves each param and its master consistent too
@@ -669,10 +699,47 @@ class SwapOptimizer(torch.optim.Optimizer):
         return loss
 
     @_on_the_optimizer_itself
+    def wait(self) -> None:
+        """Waits for the step that overlap_forward=True left running: call it
+        before reading or writing params outside the model's forward (logging
+        a weight norm, an EMA copy, an evaluation with another module). On CUDA
+        the current stream waits (no host sync); on the CPU it blocks. Raises
+        what stopped that step. state, state_dict(), load_state_dict(),
+        add_param_group(), the model's state_dict(), the next step() and
+        zero_grad(set_to_none=False) wait by themselves. Without
+        overlap_forward it does nothing."""
+        if not self.__dict__.get("_deferred"):
+            return
+        self._deferred = False  # also when it raises: the runtime has ended the step either way
+        self._runtime.wait_step()
+
+    def _wait_for_forward(self, block: Optional[int]) -> None:
+        """A forward pre-hook: the model's entry (block None) or a block waits
+        for the batches that hold its params."""
+        if not self._deferred:
+            return
+        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("SwapOptimizer(overlap_forward=True): the model's forward is being captured in a CUDA "
+                               "graph while a step is still running; call optimizer.wait() before capturing (CUDA "
+                               "graphs with overlap_forward are not supported yet)")
+        if self._overlap.compiled:
+            return self.wait()
+        position = self._overlap.position_for(block)
+        if position >= 0:
+            self._runtime.wait_ready(position)
+
+    @_on_the_optimizer_itself
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102  (torch.optim API)
+        if not set_to_none:
+            self.wait()  # zeroing in place writes grads the running step reads
+        super().zero_grad(set_to_none)
+
+    @_on_the_optimizer_itself
     def add_param_group(self, param_group: dict) -> None:  # noqa: D102  (torch.optim API)
         if self.__dict__.get("_runtime") is None:  # called by Optimizer.__init__
             return super().add_param_group(param_group)
         self._refuse_inside_step("add_param_group")
+        self.wait()
         self._follow_param_groups("add_param_group")
         params = param_group["params"]
         # A generator can be read once: keep the list, as torch's add_param_group does.
@@ -718,6 +785,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             raise ValueError("SwapOptimizer.load_state_dict: expected an optimizer state dict with 'state' and "
                              "'param_groups'")
         self._refuse_inside_step("load_state_dict")
+        self.wait()
         self._follow_param_groups("load_state_dict")
         state_dict = state_dict.copy()  # as torch: hooks and loading never change the caller's dict
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -825,7 +893,22 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     @_on_the_optimizer_itself
     def _batch_plan(self) -> list[dict]:
-        return self._runtime.batch_plan()
+        """The batches in pipeline order (with overlap_forward, block order)."""
+        plan = self._runtime.batch_plan()
+        return [plan[b] for b in self._runtime.pipeline_order()]
+
+    @_on_the_optimizer_itself
+    def _set_timeline(self, enabled: bool) -> None:
+        """Benchmark only: note when each batch's copies and update run."""
+        self._runtime.enable_timeline(enabled)
+
+    @_on_the_optimizer_itself
+    def _timeline(self) -> list[dict]:
+        """Benchmark only: the last step's spans, {lane, batch (pipeline
+        position), start, end} in seconds after step() began; waits for it."""
+        self.wait()
+        return [dict(lane=lane, batch=batch, start=start, end=end)
+                for lane, batch, start, end in self._runtime.timeline()]
 
     def __getstate__(self):
         raise TypeError("SwapOptimizer cannot be pickled or deep-copied; save state_dict() and load it into a new "

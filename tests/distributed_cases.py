@@ -265,7 +265,40 @@ def case_ddp(rank, device, work_dir):
         assert torch.equal(gathered[0], gathered[1])
 
 
-CASES = {"fsdp2": case_fsdp2, "fsdp2_checkpoint": case_fsdp2_checkpoint,
+def case_ddp_overlap(rank, device, work_dir):
+    """overlap_forward=True under DDP: each block of the wrapped model waits
+    for its own params; training is bitwise that without it on every rank,
+    and the replicas stay identical. FSDP2's DTensor params are refused."""
+    runs = []
+    for overlap in (False, True):
+        model = DistributedDataParallel(build(device))
+        fields = dict(model=model, overlap_forward=True) if overlap else {}
+        ours = SwapOptimizer(adamw(model.parameters()), swap_times=3, num_arenas=3, min_numel=64, **fields)
+        if overlap:
+            assert ours._overlap.blocks == list(model.module.children())
+            if device.type == "cpu":
+                ours._set_test_hooks(copy_delay_us=300, seed=rank)  # the updates lag behind the forward
+        train(model, ours, 6, 0, device, rank)
+        ours.wait()  # params are read below outside the forward
+        runs.append(([p.detach().clone() for p in model.parameters()],
+                     [v.clone() for p in model.parameters() for v in ours.state[p].values()]))
+    (params_off, state_off), (params_on, state_on) = runs
+    assert all(torch.equal(a, b) for a, b in zip(params_off, params_on))
+    assert len(state_off) == len(state_on) and all(torch.equal(a, b) for a, b in zip(state_off, state_on))
+    for p in params_on:
+        gathered = [torch.empty_like(p) for _ in range(WORLD)]
+        dist.all_gather(gathered, p)
+        assert torch.equal(gathered[0], gathered[1])
+    sharded = shard(build(device))
+    try:
+        SwapOptimizer(adamw(sharded.parameters()), model=sharded, overlap_forward=True)
+    except ValueError as error:
+        assert "does not support DTensor params" in str(error)
+    else:
+        raise AssertionError("overlap_forward with FSDP2 params was accepted")
+
+
+CASES = {"ddp_overlap": case_ddp_overlap, "fsdp2": case_fsdp2, "fsdp2_checkpoint": case_fsdp2_checkpoint,
          "fsdp2_mixed_precision": case_fsdp2_mixed_precision, "fsdp2_split": case_fsdp2_split,
          "fsdp2_bf16_moments": case_fsdp2_bf16_moments, "fsdp2_8bit": case_fsdp2_8bit, "ddp": case_ddp}
 

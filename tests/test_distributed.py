@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-CASES = ["fsdp2", "fsdp2_checkpoint", "fsdp2_mixed_precision", "fsdp2_split", "ddp"]
+CASES = ["fsdp2", "fsdp2_checkpoint", "fsdp2_mixed_precision", "fsdp2_split", "ddp", "ddp_overlap"]
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_cases.py")
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch was built without torch.distributed")

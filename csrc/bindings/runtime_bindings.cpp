@@ -118,7 +118,7 @@ void bind_runtime(py::module& module) {
            [](SwapRuntime& self, const std::vector<at::Tensor>& params,
               const std::vector<std::optional<at::Tensor>>& grads,
               const std::vector<GroupArgs>& groups, const std::optional<at::Tensor>& grad_scale,
-              const std::optional<at::Tensor>& found_inf) {
+              const std::optional<at::Tensor>& found_inf, bool deferred) {
              std::vector<PackedUpdateArgs> group_args;
              for (const auto& [lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled] : groups) {
                group_args.push_back({lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled});
@@ -130,10 +130,42 @@ void bind_runtime(py::module& module) {
                if (PyErr_CheckSignals() != 0) throw py::error_already_set();
              };
              py::gil_scoped_release no_gil;
-             self.step(params, grads, group_args, grad_scale, found_inf, check_interrupt);
+             self.step(params, grads, group_args, grad_scale, found_inf, check_interrupt, deferred);
            },
            py::arg("params"), py::arg("grads"), py::arg("groups"), py::arg("grad_scale") = py::none(),
-           py::arg("found_inf") = py::none())
+           py::arg("found_inf") = py::none(), py::arg("deferred") = false)
+      // Waits release the GIL (the host backend's update thread needs none, but
+      // other Python threads may run); a Ctrl-C that came meanwhile is raised
+      // here, once the wait is over.
+      .def("wait_ready",
+           [](SwapRuntime& self, int64_t position) {
+             {
+               py::gil_scoped_release no_gil;
+               self.wait_ready(position);
+             }
+             if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+           },
+           py::arg("position"),
+           "The current stream waits for the batch at this pipeline position of the deferred step (CUDA: no host "
+           "sync; CPU: blocks); raises what stopped the step.")
+      .def("wait_step",
+           [](SwapRuntime& self) {
+             {
+               py::gil_scoped_release no_gil;
+               self.wait_step();
+             }
+             if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+           },
+           "The current stream waits for the whole deferred step; raises what stopped it.")
+      .def("set_batch_order", &SwapRuntime::set_batch_order, py::arg("rank_of_param"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Runs batches in the order of their params' ranks (chains of cut params move whole).")
+      .def("pipeline_order", &SwapRuntime::pipeline_order,
+           "The plan index of the batch at each pipeline position.")
+      .def("enable_timeline", &SwapRuntime::enable_timeline, py::arg("enabled"),
+           py::call_guard<py::gil_scoped_release>(), "Benchmark only: note each batch's copy and update times.")
+      .def("timeline", &SwapRuntime::timeline, py::call_guard<py::gil_scoped_release>(),
+           "Benchmark only: (lane, position, start, end) seconds after the last step began.")
       .def("synchronize",
            [](SwapRuntime& self) {
              py::gil_scoped_release no_gil;

@@ -1,7 +1,10 @@
 #include "host_transport.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace swap_optimizer::runtime {
 
@@ -78,7 +81,8 @@ WorkerQueue* HostTransport::worker(Queue queue) {
   switch (queue) {
     case Queue::kHostToDevice: return to_device_.get();
     case Queue::kDeviceToHost: return to_host_;
-    case Queue::kCompute: break;
+    case Queue::kCompute:
+    case Queue::kCaller: break;
   }
   return nullptr;
 }
@@ -123,6 +127,64 @@ void HostTransport::host_wait(int marker) {
 void HostTransport::drain() noexcept {
   to_device_->wait_for(to_device_->submitted());
   to_host_->wait_for(to_host_->submitted());
+}
+
+void HostTransport::open_ready(int64_t /*positions*/) {
+  const std::lock_guard<std::mutex> lock(ready_mutex_);
+  ready_ = 0;
+  released_ = false;
+}
+
+void HostTransport::mark_ready(int64_t position) {
+  {
+    const std::lock_guard<std::mutex> lock(ready_mutex_);
+    ready_ = std::max(ready_, position + 1);
+  }
+  ready_changed_.notify_all();
+}
+
+bool HostTransport::wait_ready(int64_t position) {
+  std::unique_lock<std::mutex> lock(ready_mutex_);
+  ready_changed_.wait(lock, [&] { return released_ || ready_ > position; });
+  return released_;
+}
+
+void HostTransport::release_ready() noexcept {
+  {
+    const std::lock_guard<std::mutex> lock(ready_mutex_);
+    released_ = true;
+  }
+  ready_changed_.notify_all();
+}
+
+namespace {
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+void HostTransport::enable_stamps(int count) {
+  drain();  // no stamp in flight writes the old table
+  stamps_.assign(static_cast<size_t>(count), std::numeric_limits<double>::quiet_NaN());
+}
+
+void HostTransport::stamp(Queue queue, int index) {
+  if (index < 0 || index >= static_cast<int>(stamps_.size())) return;
+  double* slot = &stamps_[static_cast<size_t>(index)];
+  WorkerQueue* target = worker(queue);
+  if (target == nullptr) {
+    *slot = now_seconds();
+  } else {
+    target->submit([slot] { *slot = now_seconds(); });
+  }
+}
+
+std::vector<double> HostTransport::stamp_seconds() {
+  drain();
+  std::vector<double> seconds(stamps_.size(), std::numeric_limits<double>::quiet_NaN());
+  if (stamps_.empty() || std::isnan(stamps_[0])) return seconds;
+  for (size_t i = 0; i < stamps_.size(); ++i) seconds[i] = stamps_[i] - stamps_[0];
+  return seconds;
 }
 
 }  // namespace swap_optimizer::runtime

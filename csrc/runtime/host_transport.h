@@ -60,6 +60,17 @@ class HostTransport final : public Transport {
   void host_wait(int marker) override;
   void drain() noexcept override;
 
+  void enter_update_queue() override {}
+  void leave_update_queue() noexcept override {}
+  void open_ready(int64_t positions) override;
+  void mark_ready(int64_t position) override;
+  bool wait_ready(int64_t position) override;
+  void release_ready() noexcept override;
+
+  void enable_stamps(int count) override;
+  void stamp(Queue queue, int index) override;
+  std::vector<double> stamp_seconds() override;
+
  private:
   struct Point {
     WorkerQueue* queue = nullptr;  // null: recorded on the compute queue, already reached
@@ -74,6 +85,15 @@ class HostTransport final : public Transport {
   std::vector<Point> markers_;
   std::shared_ptr<std::function<void(std::mt19937_64&)>> delay_;
   std::mt19937_64 to_device_random_, to_host_random_;  // each touched by its own worker only
+
+  // A deferred step's progress: positions [0, ready_) are updated; released
+  // once the step has ended (or failed), which wakes every waiter.
+  std::mutex ready_mutex_;
+  std::condition_variable ready_changed_;
+  int64_t ready_ = 0;
+  bool released_ = true;
+
+  std::vector<double> stamps_;  // steady-clock seconds, NaN until stamped
 };
 
 }  // namespace swap_optimizer::runtime

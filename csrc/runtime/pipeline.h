@@ -10,7 +10,10 @@ namespace swap_optimizer::runtime {
 
 // Ordered work queues: CUDA streams, or on the host backend the calling thread
 // (compute) and worker threads (copies). The two copy queues may be one queue.
-enum class Queue : int { kCompute = 0, kHostToDevice = 1, kDeviceToHost = 2 };
+// kCaller is the queue current where the runtime is called (the model's
+// stream); it differs from kCompute only inside a deferred step, whose compute
+// queue is the transport's own update queue.
+enum class Queue : int { kCompute = 0, kHostToDevice = 1, kDeviceToHost = 2, kCaller = 3 };
 
 // Completion markers: CUDA events, or completion counts of the worker queues.
 // Five for the step itself, then three for each arena slot.
@@ -48,6 +51,33 @@ class Transport {
   virtual void wait(Queue queue, int marker) = 0;
   virtual void host_wait(int marker) = 0;  // blocks the calling thread
   virtual void drain() noexcept = 0;       // blocks until everything enqueued has run
+
+  // Deferred steps (overlap with the next forward). Between enter and leave,
+  // kCompute is the transport's own update queue, which first waits for the
+  // work enqueued on the caller's queue so far. On CUDA that is a stream of
+  // its own, made current so that kernels launch on it; on the host backend
+  // the runtime runs the whole pipeline on its update thread, which is then
+  // the compute queue (inline), so these two only mark the step.
+  virtual void enter_update_queue() = 0;
+  virtual void leave_update_queue() noexcept = 0;
+  // Readiness of a deferred step's batches, by pipeline position: open_ready
+  // starts a step with none ready, mark_ready(p) follows p's update on the
+  // compute queue, wait_ready(p) makes the caller's queue wait for it (CUDA: a
+  // stream wait; host: blocks) and returns whether the step has ended (host:
+  // release_ready was called, by the end of the step or its failure; CUDA:
+  // always false, as its failures show when enqueued).
+  virtual void open_ready(int64_t positions) = 0;
+  virtual void mark_ready(int64_t position) = 0;
+  virtual bool wait_ready(int64_t position) = 0;
+  virtual void release_ready() noexcept = 0;
+
+  // Timeline stamps (the benchmark's plot): enable_stamps(n) keeps n of them
+  // (0: off), stamp(queue, i) notes when `queue` reaches that point, and
+  // stamp_seconds() gives each one's seconds after stamp 0 once all have run
+  // (NaN for one never stamped).
+  virtual void enable_stamps(int count) = 0;
+  virtual void stamp(Queue queue, int index) = 0;
+  virtual std::vector<double> stamp_seconds() = 0;
   // Test hook: each copy first waits a random 0..max_microseconds on its queue,
   // to expose missing waits. 0 turns it off.
   virtual void set_copy_delay(int64_t max_microseconds, uint64_t seed) = 0;

@@ -11,8 +11,13 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
+#include <ATen/ThreadLocalState.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <algorithm>
+#include <cmath>
 #include <csignal>
+#include <limits>
 #include <sstream>
 
 namespace swap_optimizer::runtime {
@@ -135,11 +140,19 @@ int64_t smallest_swap_times_for_budget(const std::vector<SlotSpec>& specs, const
 
 class SwapRuntime::Step final : public BatchWork {
  public:
-  Step(SwapRuntime& runtime, std::vector<at::Tensor> grads, const std::vector<PackedUpdateArgs>& group_args,
-       const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
-       const std::function<void()>& check_interrupt)
-      : runtime_(runtime), grads_(std::move(grads)), group_args_(group_args), grad_scale_(grad_scale),
-        found_inf_(found_inf), check_interrupt_(check_interrupt) {}
+  // Owns what the update reads, so a deferred step outlives the caller's copies.
+  Step(SwapRuntime& runtime, std::vector<at::Tensor> grads, std::vector<PackedUpdateArgs> group_args,
+       std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
+       std::function<void()> check_interrupt, bool deferred)
+      : runtime_(runtime), grads_(std::move(grads)), group_args_(std::move(group_args)),
+        grad_scale_(std::move(grad_scale)), found_inf_(std::move(found_inf)),
+        check_interrupt_(std::move(check_interrupt)), deferred_(deferred) {}
+
+  std::exception_ptr failure;  // what stopped a deferred step on the update thread
+
+  const std::vector<at::Tensor>& grads() const { return grads_; }
+  const std::optional<at::Tensor>& grad_scale() const { return grad_scale_; }
+  const std::optional<at::Tensor>& found_inf() const { return found_inf_; }
 
   void stage_in_step_table() override {
     const int64_t bytes = runtime_.plan_.host_region_bytes[kStepTableRegion];
@@ -153,36 +166,51 @@ class SwapRuntime::Step final : public BatchWork {
                                        runtime_.device_steps_.data_ptr(), bytes, bytes, 1});
   }
 
-  void stage_in(int64_t batch, int slot) override {
-    inject(FaultPoint::kStageIn, batch, "copy in");
+  // The pipeline calls these by position; runtime_.order_ gives the plan's batch.
+  void stage_in(int64_t position, int slot) override {
+    inject(FaultPoint::kStageIn, position, "copy in");
+    const int64_t batch = runtime_.order_[position];
+    Transport& transport = *runtime_.transport_;
+    transport.stamp(Queue::kHostToDevice, stamp_index(position, kCopyInStamp));
     auto* arena = static_cast<uint8_t*>(runtime_.arena_for(batch, slot).data_ptr());
     for (const RegionCopy& copy : runtime_.plan_.batches[batch].host_copies) {
-      runtime_.transport_->copy_to_device({arena + copy.arena_offset, copy.arena_pitch, host_at(copy), copy.pitch,
-                                           copy.width, copy.rows});
+      transport.copy_to_device({arena + copy.arena_offset, copy.arena_pitch, host_at(copy), copy.pitch,
+                                copy.width, copy.rows});
     }
+    transport.stamp(Queue::kHostToDevice, stamp_index(position, kCopyInStamp) + 1);
   }
 
-  void stage_out(int64_t batch, int slot) override {
+  void stage_out(int64_t position, int slot) override {
+    const int64_t batch = runtime_.order_[position];
+    Transport& transport = *runtime_.transport_;
+    transport.stamp(Queue::kDeviceToHost, stamp_index(position, kCopyOutStamp));
     const auto* arena = static_cast<const uint8_t*>(runtime_.arena_for(batch, slot).data_ptr());
     for (const RegionCopy& copy : runtime_.plan_.batches[batch].host_copies) {
-      runtime_.transport_->copy_to_host({host_at(copy), copy.pitch, arena + copy.arena_offset, copy.arena_pitch,
-                                         copy.width, copy.rows});
+      transport.copy_to_host({host_at(copy), copy.pitch, arena + copy.arena_offset, copy.arena_pitch,
+                              copy.width, copy.rows});
     }
+    transport.stamp(Queue::kDeviceToHost, stamp_index(position, kCopyOutStamp) + 1);
   }
 
   // Interrupts are taken only where no param is cut, so an interrupted step
   // leaves every param wholly old or wholly new.
-  void between_batches(int64_t next_batch) override {
-    if (runtime_.hooks_.fault == FaultPoint::kInterrupt && runtime_.hooks_.fault_batch == next_batch) {
-      std::raise(SIGINT);  // delivered to Python by check_interrupt, like a real Ctrl-C
+  void between_batches(int64_t next_position) override {
+    if (runtime_.hooks_.fault == FaultPoint::kInterrupt && runtime_.hooks_.fault_batch == next_position) {
+      // Delivered to Python by check_interrupt, like a real Ctrl-C; in a
+      // deferred step (which has none) Python raises it on the main thread.
+      std::raise(SIGINT);
     }
-    const bool cuts_a_param = runtime_.plan_.batches[next_batch].rows.front().element_offset > 0;
+    const int64_t batch = runtime_.order_[next_position];
+    const bool cuts_a_param = runtime_.plan_.batches[batch].rows.front().element_offset > 0;
     if (check_interrupt_ && !cuts_a_param) check_interrupt_();
   }
 
-  void update(int64_t batch, int slot) override {
-    progress_ = {batch, 0};
-    inject(FaultPoint::kUpdate, batch, "update");
+  void update(int64_t position, int slot) override {
+    progress_ = {position, 0};
+    inject(FaultPoint::kUpdate, position, "update");
+    Transport& transport = *runtime_.transport_;
+    transport.stamp(Queue::kCompute, stamp_index(position, kUpdateStamp));
+    const int64_t batch = runtime_.order_[position];
     const BatchPlan& plan = runtime_.plan_.batches[batch];
     const at::Tensor arena = runtime_.arena_for(batch, slot);
     // States kept on the device join the arena for the update and go back after it.
@@ -199,26 +227,36 @@ class SwapRuntime::Step final : public BatchWork {
     };
     join(true);
     try {
-      update_rows(batch, arena);
+      update_rows(position, batch, arena);
     } catch (...) {
       join(false);
       throw;
     }
     join(false);
-    progress_ = {batch + 1, 0};
+    if (deferred_) transport.mark_ready(position);
+    transport.stamp(Queue::kCompute, stamp_index(position, kUpdateStamp) + 1);
+    progress_ = {position + 1, 0};
   }
 
-  // Whether the update of `row` of `batch` has run (its param has a grad and its op call returned).
+  // Whether the update of `row` of plan batch `batch` has run (its param has a grad and its op call returned).
   bool row_updated(int64_t batch, int64_t row) const {
     if (!grads_[runtime_.plan_.batches[batch].rows[row].slot].defined()) return false;
-    return batch < progress_.first || (batch == progress_.first && row < progress_.second);
+    const int64_t position = runtime_.position_of_[batch];
+    return position < progress_.first || (position == progress_.first && row < progress_.second);
+  }
+
+  // Timeline stamps: 0 is the step's start, then per position the start and
+  // end of its copies in, update and copies out.
+  static constexpr int kCopyInStamp = 0, kUpdateStamp = 2, kCopyOutStamp = 4, kStampsPerBatch = 6;
+  static int stamp_index(int64_t position, int lane) {
+    return static_cast<int>(1 + kStampsPerBatch * position + lane);
   }
 
  private:
-  void inject(FaultPoint point, int64_t batch, const char* what) const {
+  void inject(FaultPoint point, int64_t position, const char* what) const {
     const TestHooks& hooks = runtime_.hooks_;
-    TORCH_CHECK(!(hooks.fault == point && hooks.fault_batch == batch),
-                "SwapOptimizer: injected test fault at the ", what, " of batch ", batch);
+    TORCH_CHECK(!(hooks.fault == point && hooks.fault_batch == position),
+                "SwapOptimizer: injected test fault at the ", what, " of batch ", position);
   }
 
   void* host_at(const RegionCopy& copy) const {
@@ -226,7 +264,7 @@ class SwapRuntime::Step final : public BatchWork {
   }
 
   // One op call per run of consecutive rows of one group that have grads.
-  void update_rows(int64_t batch, const at::Tensor& arena) {
+  void update_rows(int64_t position, int64_t batch, const at::Tensor& arena) {
     const BatchPlan& plan = runtime_.plan_.batches[batch];
     const int64_t count = static_cast<int64_t>(plan.rows.size());
     std::vector<std::pair<int64_t, int64_t>> runs;
@@ -245,7 +283,7 @@ class SwapRuntime::Step final : public BatchWork {
     const at::Tensor& layout = runtime_.layouts_[batch];
     for (size_t r = 0; r < runs.size(); ++r) {
       const auto [begin, end] = runs[r];
-      if (r + 1 == runs.size()) inject(FaultPoint::kUpdateLastCall, batch, "last op call");
+      if (r + 1 == runs.size()) inject(FaultPoint::kUpdateLastCall, position, "last op call");
       call_op(plan, begin, end, arena, layout.narrow(0, begin, end - begin),
               group_args_[runtime_.group_of_param_[plan.rows[begin].slot]]);
       progress_.second = end;
@@ -277,11 +315,12 @@ class SwapRuntime::Step final : public BatchWork {
 
   SwapRuntime& runtime_;
   std::vector<at::Tensor> grads_;
-  const std::vector<PackedUpdateArgs>& group_args_;
-  const std::optional<at::Tensor>& grad_scale_;
-  const std::optional<at::Tensor>& found_inf_;
-  const std::function<void()>& check_interrupt_;
-  std::pair<int64_t, int64_t> progress_{0, 0};  // (batch, rows of it) whose updates have run
+  std::vector<PackedUpdateArgs> group_args_;
+  std::optional<at::Tensor> grad_scale_;
+  std::optional<at::Tensor> found_inf_;
+  std::function<void()> check_interrupt_;
+  bool deferred_;
+  std::pair<int64_t, int64_t> progress_{0, 0};  // (position, rows of it) whose updates have run
 };
 
 SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> group_of_param,
@@ -323,11 +362,9 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
   // out get their own queues once there are three arenas to rotate.
   const bool separate_copy_queues = arena_count_ >= 3;
   transport_ = make_transport(device_, arena_count_ + 1, separate_copy_queues);
-  // Rotating batch r uses arena r mod N; the resident batch has a slot of its own.
-  int64_t rotating = 0;
-  for (const BatchPlan& batch : plan_.batches) {
-    slot_of_batch_.push_back(batch.resident ? arena_count_ : static_cast<int>(rotating++ % arena_count_));
-  }
+  std::vector<int64_t> plan_order(plan_.batches.size());
+  for (size_t b = 0; b < plan_order.size(); ++b) plan_order[b] = static_cast<int64_t>(b);
+  adopt_order(std::move(plan_order));
 
   // Host slabs: one exact-size allocation per host region of the plan.
   const bool pin = device_.is_cuda() && options_.pin_memory;
@@ -371,7 +408,54 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
 
 SwapRuntime::~SwapRuntime() {
   const c10::DeviceGuard guard(device_);  // a no-op for CPU
+  if (update_thread_) update_thread_->wait_for(update_thread_->submitted());  // a deferred step's failure is dropped
   if (transport_) transport_->drain();
+}
+
+void SwapRuntime::adopt_order(std::vector<int64_t> order) {
+  order_ = std::move(order);
+  position_of_.assign(order_.size(), 0);
+  slot_of_batch_.clear();
+  // Rotating batch r (in pipeline order) uses arena r mod N; the resident batch has a slot of its own.
+  int64_t rotating = 0;
+  for (size_t position = 0; position < order_.size(); ++position) {
+    position_of_[order_[position]] = static_cast<int64_t>(position);
+    const bool resident = plan_.batches[order_[position]].resident;
+    slot_of_batch_.push_back(resident ? arena_count_ : static_cast<int>(rotating++ % arena_count_));
+  }
+}
+
+void SwapRuntime::set_batch_order(const std::vector<int64_t>& rank_of_param) {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  finish_deferred();
+  TORCH_CHECK_VALUE(rank_of_param.size() == params_.size(), "SwapRuntime: one rank per param, got ",
+                    rank_of_param.size(), " for ", params_.size(), " params");
+  // Chains: runs of batches each of which (after the first) continues a param
+  // cut by the one before; a chain moves whole, so pieces keep their order.
+  struct Chain {
+    int64_t rank;
+    int64_t first, end;
+  };
+  std::vector<Chain> chains;
+  for (int64_t b = 0; b < static_cast<int64_t>(plan_.batches.size()); ++b) {
+    const BatchPlan& batch = plan_.batches[b];
+    const bool continues = !batch.rows.empty() && batch.rows.front().element_offset > 0;
+    if (!continues || chains.empty()) chains.push_back({std::numeric_limits<int64_t>::max(), b, b});
+    Chain& chain = chains.back();
+    chain.end = b + 1;
+    for (const PieceRow& row : batch.rows) chain.rank = std::min(chain.rank, rank_of_param[row.slot]);
+  }
+  std::stable_sort(chains.begin(), chains.end(), [](const Chain& a, const Chain& b) { return a.rank < b.rank; });
+  std::vector<int64_t> order;
+  for (const Chain& chain : chains) {
+    for (int64_t b = chain.first; b < chain.end; ++b) order.push_back(b);
+  }
+  adopt_order(std::move(order));
+}
+
+std::vector<int64_t> SwapRuntime::pipeline_order() const {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  return order_;
 }
 
 at::Tensor SwapRuntime::arena_for(int64_t batch, int slot) const {
@@ -387,6 +471,7 @@ std::vector<int64_t> SwapRuntime::torn_params() const {
 
 void SwapRuntime::clear_torn() {
   const std::lock_guard<std::mutex> lock(step_mutex_);
+  finish_deferred();
   torn_.clear();
 }
 
@@ -468,8 +553,9 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
                        const std::vector<PackedUpdateArgs>& group_args,
                        const std::optional<at::Tensor>& grad_scale,
                        const std::optional<at::Tensor>& found_inf,
-                       const std::function<void()>& check_interrupt) {
+                       const std::function<void()>& check_interrupt, bool deferred) {
   const std::lock_guard<std::mutex> lock(step_mutex_);
+  finish_deferred();  // raises what stopped the last deferred step, if no wait did
   if (!torn_.empty()) {
     std::ostringstream torn;
     for (const int64_t i : torn_) torn << (torn.tellp() > 0 ? ", " : "") << i;
@@ -519,8 +605,21 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
 
   params_ = params;
   const c10::DeviceGuard guard(device_);  // a no-op for CPU
+  std::optional<at::Tensor> scale = grad_scale, inf = found_inf;
+  if (deferred) {  // snapshots: GradScaler.update() rewrites its scale while the step may still read it
+    if (scale.has_value()) scale = scale->clone();
+    if (inf.has_value()) inf = inf->clone();
+  }
   allocate_arenas();
-  Step work(*this, std::move(ready), group_args, grad_scale, found_inf, check_interrupt);
+  auto work = std::make_shared<Step>(*this, std::move(ready), group_args, std::move(scale), std::move(inf),
+                                     deferred ? std::function<void()>() : check_interrupt, deferred);
+  transport_->stamp(Queue::kCaller, 0);
+  if (deferred) {
+    enqueue_deferred(work);
+    step_pending_ = true;
+    stats_.h2d_bytes = stats_.d2h_bytes = plan_.moved_bytes;
+    return;
+  }
   struct InStep {  // lets synchronize() on this thread (a signal handler) serve without the lock
     SwapRuntime& runtime;
     InStep(SwapRuntime& r, Step& w) : runtime(r) {
@@ -531,30 +630,139 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
       runtime.stepping_thread_ = std::thread::id();
       runtime.current_step_ = nullptr;
     }
-  } in_step(*this, work);
+  } in_step(*this, *work);
   try {
-    run_pipeline(*transport_, work, slot_of_batch_);
+    run_pipeline(*transport_, *work, slot_of_batch_);
   } catch (...) {
-    release_arenas();  // the pipeline drained every queue before rethrowing
-    const std::string torn = tear_report(work, found_inf);
-    if (torn.empty()) throw;
-    std::string error;
-    try {
-      throw;
-    } catch (const c10::Error& e) {
-      error = e.what_without_backtrace();
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-    TORCH_CHECK(false, torn, "The error was: ", error);
+    rethrow_failure(*work, std::current_exception());
   }
   step_pending_ = true;
   if (!options_.keep_arenas) release_arenas();  // in stream order: compute waited for every copy
   stats_.h2d_bytes = stats_.d2h_bytes = plan_.moved_bytes;
 }
 
+void SwapRuntime::rethrow_failure(const Step& work, std::exception_ptr failure) {
+  release_arenas();  // the pipeline drained every queue before rethrowing
+  const std::string torn = tear_report(work, work.found_inf());
+  if (torn.empty()) std::rethrow_exception(failure);
+  std::string error = "unknown error";
+  try {
+    std::rethrow_exception(failure);
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    error = e.what();
+  } catch (...) {
+  }
+  TORCH_CHECK(false, torn, "The error was: ", error);
+}
+
+void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
+  transport_->open_ready(static_cast<int64_t>(order_.size()));
+  if (device_.is_cpu()) {
+    if (!update_thread_) update_thread_ = std::make_unique<WorkerQueue>();
+    deferred_ = work;
+    // The pipeline runs on the update thread with this thread's thread-local
+    // state (grad mode, dispatch keys); its failure is kept for the next wait.
+    deferred_ticket_ = update_thread_->submit([this, work, state = at::ThreadLocalState()] {
+      const at::ThreadLocalStateGuard guard(state);
+      try {
+        run_pipeline(*transport_, *work, slot_of_batch_);
+      } catch (...) {
+        work->failure = std::current_exception();
+      }
+      transport_->release_ready();  // wakes every waiter, also after a failure
+    });
+    return;
+  }
+  // CUDA: enqueued now on the update stream, which waits for the caller's
+  // stream first; a failure to enqueue shows here.
+  transport_->enter_update_queue();
+  struct Leave {
+    Transport& transport;
+    ~Leave() { transport.leave_update_queue(); }
+  } leave{*transport_};
+  const c10::Stream update = c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
+  // The caching allocator reuses these only once the update stream has passed this point.
+  for (const at::Tensor& grad : work->grads()) {
+    if (grad.defined()) grad.record_stream(update);
+  }
+  if (work->grad_scale().has_value()) work->grad_scale()->record_stream(update);
+  if (work->found_inf().has_value()) work->found_inf()->record_stream(update);
+  try {
+    run_pipeline(*transport_, *work, slot_of_batch_);
+  } catch (...) {
+    rethrow_failure(*work, std::current_exception());
+  }
+  if (!options_.keep_arenas) {
+    // The update stream waited for every copy before the step's end: freed in
+    // its order, the arenas return to the allocator when it gets there.
+    for (const at::Tensor& arena : arenas_) arena.record_stream(update);
+    device_steps_.record_stream(update);
+    const int64_t live = stats_.staging_bytes;
+    release_arenas();
+    stats_.staging_bytes = live;  // still in use until the step is waited for
+  }
+  deferred_ = work;
+}
+
+void SwapRuntime::finish_deferred() {
+  if (!deferred_) return;
+  const std::shared_ptr<Step> work = std::move(deferred_);
+  deferred_.reset();
+  if (update_thread_) update_thread_->wait_for(deferred_ticket_);
+  if (work->failure) rethrow_failure(*work, work->failure);
+  if (!options_.keep_arenas) release_arenas();
+}
+
+void SwapRuntime::wait_ready(int64_t position) {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  if (!deferred_) return;
+  TORCH_CHECK_INDEX(position >= 0 && position < static_cast<int64_t>(order_.size()), "SwapRuntime: no batch at ",
+                    "position ", position, " of ", order_.size());
+  const c10::DeviceGuard guard(device_);
+  if (transport_->wait_ready(position)) finish_deferred();  // the step has ended: report how
+}
+
+void SwapRuntime::wait_step() {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  if (!deferred_) return;
+  const c10::DeviceGuard guard(device_);
+  finish_deferred();
+  transport_->wait(Queue::kCaller, kStepEndMarker);  // CUDA: a stream wait; host: the step has run
+}
+
+void SwapRuntime::enable_timeline(bool enabled) {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  finish_deferred();
+  const c10::DeviceGuard guard(device_);
+  transport_->enable_stamps(enabled ? Step::stamp_index(static_cast<int64_t>(order_.size()), 0) : 0);
+  timeline_ = enabled;
+}
+
+std::vector<std::tuple<std::string, int64_t, double, double>> SwapRuntime::timeline() {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  finish_deferred();
+  const c10::DeviceGuard guard(device_);
+  std::vector<std::tuple<std::string, int64_t, double, double>> spans;
+  if (!timeline_) return spans;
+  const std::vector<double> seconds = transport_->stamp_seconds();
+  constexpr std::pair<const char*, int> kLanes[] = {
+      {"copy in", Step::kCopyInStamp}, {"update", Step::kUpdateStamp}, {"copy out", Step::kCopyOutStamp}};
+  for (int64_t position = 0; position < static_cast<int64_t>(order_.size()); ++position) {
+    for (const auto& [lane, offset] : kLanes) {
+      const int start = Step::stamp_index(position, offset);
+      if (!std::isnan(seconds[start]) && !std::isnan(seconds[start + 1])) {
+        spans.emplace_back(lane, position, seconds[start], seconds[start + 1]);
+      }
+    }
+  }
+  return spans;
+}
+
 void SwapRuntime::order_writes() {
   const std::lock_guard<std::mutex> lock(step_mutex_);
+  finish_deferred();
   const c10::DeviceGuard guard(device_);
   // The next step's compute stream waits for the step-end marker before
   // anything, and synchronize() waits for it: it must follow the last step too.
@@ -570,13 +778,16 @@ void SwapRuntime::synchronize() {
     return;
   }
   const std::lock_guard<std::mutex> lock(step_mutex_);
+  finish_deferred();
   if (!step_pending_) return;
+  const c10::DeviceGuard guard(device_);
   transport_->host_wait(kStepEndMarker);
   step_pending_ = false;
 }
 
 void SwapRuntime::set_rounding_seed(int64_t seed) {
   const std::lock_guard<std::mutex> lock(step_mutex_);
+  finish_deferred();
   TORCH_CHECK_VALUE(options_.rounding_seed.has_value(), "SwapRuntime: stochastic rounding is off (state_dtype is "
                     "not bfloat16); there is no seed to set");
   options_.rounding_seed = seed;
@@ -597,6 +808,8 @@ MemoryStats SwapRuntime::memory_stats() const {
 }
 
 void SwapRuntime::set_test_hooks(const TestHooks& hooks) {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  finish_deferred();
   hooks_ = hooks;
   transport_->set_copy_delay(hooks.copy_delay_us, hooks.seed);
 }

@@ -4,14 +4,17 @@
 #pragma once
 
 #include "../kernels/packed_layout.h"
+#include "host_transport.h"
 #include "pipeline.h"
 #include "store_plan.h"
 
 #include <ATen/core/Tensor.h>
 
 #include <atomic>
+#include <exception>
 #include <functional>
 #include <thread>
+#include <tuple>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -114,11 +117,42 @@ class SwapRuntime {
   // runs between batches that do not cut a param, and may throw to stop the
   // step. A failure that leaves a split param partly updated marks it torn;
   // step() then refuses until clear_torn() (a loaded checkpoint).
+  //
+  // deferred: enqueue the whole step and return (overlap with the next
+  // forward). The updates run on the update queue: a CUDA stream of the
+  // transport's, or on the host backend this runtime's update thread, which
+  // runs the pipeline with the caller's thread-local state. The step keeps
+  // what it reads alive (grads and their contiguous copies, the AMP scalars,
+  // which it snapshots, and the arenas: record_stream on CUDA). The caller
+  // must wait before it reads a param (wait_ready, wait_step) or touches a
+  // grad in place. check_interrupt is not run: an interrupt lets the step
+  // complete. A failure shows on CUDA at once (enqueueing fails), on the host
+  // at the next wait_ready / wait_step or other call that needs the step done.
   void step(const std::vector<at::Tensor>& params, const std::vector<std::optional<at::Tensor>>& grads,
             const std::vector<PackedUpdateArgs>& group_args,
             const std::optional<at::Tensor>& grad_scale,
             const std::optional<at::Tensor>& found_inf,
-            const std::function<void()>& check_interrupt);
+            const std::function<void()>& check_interrupt, bool deferred = false);
+
+  // The caller's queue waits for the batch at pipeline `position` of a
+  // deferred step (CUDA: a stream wait, no host sync; host: blocks), or for
+  // the whole step. Either raises what stopped the step, once. No-ops when no
+  // deferred step is in flight.
+  void wait_ready(int64_t position);
+  void wait_step();
+
+  // Runs the batches in the order of their params' ranks (a chain of batches
+  // that cut a param moves as one, by its least rank; ties keep plan order).
+  // The host slabs stay where they are. pipeline_order()[p]: the plan's index
+  // of the batch at position p.
+  void set_batch_order(const std::vector<int64_t>& rank_of_param);
+  std::vector<int64_t> pipeline_order() const;
+
+  // Benchmark timeline: when on, each step notes when each batch's copies in,
+  // update and copies out start and end. timeline(): (lane, position, start,
+  // end) in seconds after the last step() began, once it has finished.
+  void enable_timeline(bool enabled);
+  std::vector<std::tuple<std::string, int64_t, double, double>> timeline();
 
   // Blocks until the host store holds the last step's results. Called on the
   // thread that is inside step() (a signal handler run by check_interrupt,
@@ -150,6 +184,10 @@ class SwapRuntime {
 
   void allocate_arenas();
   void release_arenas();
+  void adopt_order(std::vector<int64_t> order);
+  void finish_deferred();
+  [[noreturn]] void rethrow_failure(const Step& work, std::exception_ptr failure);
+  void enqueue_deferred(const std::shared_ptr<Step>& work);
   at::Tensor arena_for(int64_t batch, int slot) const;
   at::Tensor state_view(int64_t param, int key) const;
   int64_t global_offset(int64_t param) const;
@@ -173,8 +211,14 @@ class SwapRuntime {
   std::atomic<std::thread::id> stepping_thread_{};  // the thread inside step(), if any
   Step* current_step_ = nullptr;                     // its work, for synchronize() from that thread
   int arena_count_ = 0;
-  std::vector<int> slot_of_batch_;  // arena slot of each batch, in pipeline order
+  std::vector<int64_t> order_;        // plan batch at each pipeline position
+  std::vector<int64_t> position_of_;  // pipeline position of each plan batch
+  std::vector<int> slot_of_batch_;    // arena slot of each pipeline position
   std::unique_ptr<Transport> transport_;
+  std::unique_ptr<WorkerQueue> update_thread_;  // host backend, deferred steps; made at the first
+  std::shared_ptr<Step> deferred_;              // the deferred step not yet finished, if any
+  uint64_t deferred_ticket_ = 0;                // its job on update_thread_
+  bool timeline_ = false;
   bool pinned_ = false;
   int64_t unpinned_bytes_ = 0;
   bool step_pending_ = false;  // copies of the last step may still be landing in the host store

@@ -7,6 +7,9 @@
 #include <cuda_runtime_api.h>
 
 #include <chrono>
+#include <cmath>
+#include <limits>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -32,6 +35,7 @@ class CudaTransport final : public Transport {
       for (cudaEvent_t& event : events_) {
         C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
       }
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&caller_event_, cudaEventDisableTiming));
     } catch (...) {
       release();
       throw;
@@ -69,10 +73,75 @@ class CudaTransport final : public Transport {
 
   void host_wait(int marker) override { C10_CUDA_CHECK(cudaEventSynchronize(events_[marker])); }
 
+  void enter_update_queue() override {
+    if (!update_) update_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_);
+    caller_ = c10::cuda::getCurrentCUDAStream(device_);
+    C10_CUDA_CHECK(cudaEventRecord(caller_event_, caller_->stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(update_->stream(), caller_event_, 0));
+    c10::cuda::setCurrentCUDAStream(*update_);
+  }
+
+  void leave_update_queue() noexcept override {
+    if (caller_) c10::cuda::setCurrentCUDAStream(*caller_);
+    caller_.reset();
+  }
+
+  // Events, one per position, made the first time a step has that many.
+  void open_ready(int64_t positions) override {
+    while (static_cast<int64_t>(ready_.size()) < positions) {
+      cudaEvent_t event = nullptr;
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+      ready_.push_back(event);
+    }
+  }
+
+  void mark_ready(int64_t position) override {
+    C10_CUDA_CHECK(cudaEventRecord(ready_.at(position), compute_));
+  }
+
+  bool wait_ready(int64_t position) override {
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream(Queue::kCaller), ready_.at(position), 0));
+    return false;
+  }
+
+  void release_ready() noexcept override {}
+
+  void enable_stamps(int count) override {
+    drain();
+    destroy_stamps();
+    stamped_.assign(static_cast<size_t>(count), false);
+    for (int i = 0; i < count; ++i) {
+      cudaEvent_t event = nullptr;
+      C10_CUDA_CHECK(cudaEventCreate(&event));  // with timing
+      stamps_.push_back(event);
+    }
+  }
+
+  void stamp(Queue queue, int index) override {
+    if (index < 0 || index >= static_cast<int>(stamps_.size())) return;
+    C10_CUDA_CHECK(cudaEventRecord(stamps_[index], stream(queue)));
+    stamped_[index] = true;
+  }
+
+  std::vector<double> stamp_seconds() override {
+    std::vector<double> seconds(stamps_.size(), std::numeric_limits<double>::quiet_NaN());
+    if (stamps_.empty() || !stamped_[0]) return seconds;
+    C10_CUDA_CHECK(cudaEventSynchronize(stamps_[0]));
+    for (size_t i = 0; i < stamps_.size(); ++i) {
+      if (!stamped_[i]) continue;
+      float ms = 0.f;
+      C10_CUDA_CHECK(cudaEventSynchronize(stamps_[i]));
+      C10_CUDA_CHECK(cudaEventElapsedTime(&ms, stamps_[0], stamps_[i]));
+      seconds[i] = ms / 1e3;
+    }
+    return seconds;
+  }
+
   void drain() noexcept override {
     C10_CUDA_IGNORE_ERROR(cudaStreamSynchronize(to_device_));
     if (to_host_ != to_device_) C10_CUDA_IGNORE_ERROR(cudaStreamSynchronize(to_host_));
     if (started_) C10_CUDA_IGNORE_ERROR(cudaStreamSynchronize(compute_));
+    if (update_) C10_CUDA_IGNORE_ERROR(cudaStreamSynchronize(update_->stream()));
   }
 
  private:
@@ -104,17 +173,28 @@ class CudaTransport final : public Transport {
     switch (queue) {
       case Queue::kHostToDevice: return to_device_;
       case Queue::kDeviceToHost: return to_host_;
+      case Queue::kCaller: return c10::cuda::getCurrentCUDAStream(device_).stream();
       case Queue::kCompute: break;
     }
     return compute_;
   }
 
-  // Destroys what the constructor made, in any state it got to.
+  void destroy_stamps() noexcept {
+    for (cudaEvent_t event : stamps_) C10_CUDA_IGNORE_ERROR(cudaEventDestroy(event));
+    stamps_.clear();
+  }
+
+  // Destroys what was made, in any state it got to.
   void release() noexcept {
     for (cudaEvent_t event : events_) {
       if (event != nullptr) C10_CUDA_IGNORE_ERROR(cudaEventDestroy(event));
     }
     events_.clear();
+    for (cudaEvent_t event : ready_) C10_CUDA_IGNORE_ERROR(cudaEventDestroy(event));
+    ready_.clear();
+    destroy_stamps();
+    if (caller_event_ != nullptr) C10_CUDA_IGNORE_ERROR(cudaEventDestroy(caller_event_));
+    caller_event_ = nullptr;
     if (to_host_ != nullptr && to_host_ != to_device_) C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(to_host_));
     if (to_device_ != nullptr) C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(to_device_));
     to_host_ = to_device_ = nullptr;
@@ -129,6 +209,15 @@ class CudaTransport final : public Transport {
   cudaStream_t to_host_ = nullptr;
   cudaStream_t compute_ = nullptr;
   std::vector<cudaEvent_t> events_;
+  // Deferred steps: the update stream (from torch's pool, taken once), the
+  // caller's stream while a step is enqueued, the event the update stream
+  // waits on, and one readiness event per pipeline position.
+  std::optional<c10::cuda::CUDAStream> update_;
+  std::optional<c10::cuda::CUDAStream> caller_;
+  cudaEvent_t caller_event_ = nullptr;
+  std::vector<cudaEvent_t> ready_;
+  std::vector<cudaEvent_t> stamps_;  // timeline (bench only), with timing
+  std::vector<bool> stamped_;
 };
 
 }  // namespace

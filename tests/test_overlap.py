@@ -1,0 +1,349 @@
+"""overlap_forward=True: step() enqueues the step, and the next forward's blocks
+wait for their own params. Training with it must be bitwise the training
+without it, whatever the loop does around the step.
+
+On the host backend the updates run on an update thread while the main thread
+runs the forward; random delays on every copy make the updates lag, so a
+missed wait reads a param before its update and changes bits (checked: with
+the waits switched off these tests fail). Comparisons are torch.equal (bitwise)
+against the same loop with overlap_forward=False.
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import swap_optimizer as so
+from conftest import DEVICES, requires_cuda
+from swap_training import round_trip
+
+VOCAB, WIDTH = 64, 32
+
+
+class OverlapLM(nn.Module):
+    """Embedding, an nn.TransformerEncoder (MultiheadAttention reads its
+    out_proj.weight directly), a final norm and a head tied to the embedding."""
+
+    def __init__(self, layers=3, tied=True, activation_checkpointing=False):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        layer = nn.TransformerEncoderLayer(WIDTH, 4, dim_feedforward=64, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.activation_checkpointing = activation_checkpointing
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        if self.activation_checkpointing:  # the backward runs each layer's forward (and its hooks) again
+            for layer in self.encoder.layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+        else:
+            x = self.encoder(x)
+        return self.head(self.norm(x))
+
+
+def build(device, **kwargs):
+    torch.manual_seed(0)
+    return OverlapLM(**kwargs).to(device)
+
+
+def tokens_for(step, device, micro=0):
+    generator = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randint(0, VOCAB, (4, 12), generator=generator).to(device)
+
+
+def loss_of(model, tokens):
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), torch.roll(tokens, -1, 1).reshape(-1))
+
+
+def make_optimizer(model, overlap, device, compiled=None, **fields):
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    extra = dict(model=model if compiled is None else compiled, overlap_forward=True) if overlap else {}
+    optimizer = so.SwapOptimizer(inner, swap_times=6, num_arenas=3, min_numel=0, **fields, **extra)
+    if overlap:
+        optimizer._set_test_hooks(copy_delay_us=300, seed=5)  # updates lag behind the forward
+    return optimizer
+
+
+def train(model, optimizer, steps, device, feature, forward=None):
+    """A training loop exercising `feature`; returns what it logged (losses,
+    eval losses, weight norms), compared bitwise between runs."""
+    forward = model if forward is None else forward
+    logged = []
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5) if feature == "scheduler" \
+        else None
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10) if feature == "grad_scaler" else None
+    for step in range(steps):
+        if feature == "closure":  # Lightning's loop: forward and backward inside step()
+            def closure():
+                optimizer.zero_grad()
+                loss = loss_of(forward, tokens_for(step, device))
+                loss.backward()
+                return loss
+            logged.append(optimizer.step(closure).detach())
+            continue
+        optimizer.zero_grad(set_to_none=feature != "zero_grad_to_zeros")
+        micro_batches = 2 if feature == "accumulation" else 1
+        for micro in range(micro_batches):
+            loss = loss_of(forward, tokens_for(step, device, micro)) / micro_batches
+            (scaler.scale(loss) if scaler else loss).backward()
+            logged.append(loss.detach())
+        if feature in ("clip", "grad_scaler"):
+            if scaler:
+                scaler.unscale_(optimizer)
+            logged.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).detach())
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+            logged.append(scaler.get_scale() * torch.ones(()))
+        else:
+            optimizer.step()
+        if scheduler:
+            scheduler.step()
+        if feature == "read_after_wait":  # a weight read outside the forward
+            optimizer.wait()
+            logged.append(model.encoder.layers[1].linear1.weight.norm().detach())
+        if feature == "inference_eval":
+            model.eval()
+            with torch.inference_mode():
+                logged.append(loss_of(forward, tokens_for(10_000 + step, device)))
+            model.train()
+    return [t.detach().float().cpu().clone() for t in logged]
+
+
+def snapshot(model, optimizer):
+    params = {name: t.detach().cpu().clone() for name, t in model.state_dict().items()}  # waits (a model hook)
+    state = round_trip(optimizer.state_dict())["state"]
+    return params, state
+
+
+def assert_bitwise(first, second):
+    (params_a, state_a), (params_b, state_b) = first, second
+    assert params_a.keys() == params_b.keys()
+    for name in params_a:
+        assert torch.equal(params_a[name], params_b[name]), f"param {name} differs"
+    assert state_a.keys() == state_b.keys()
+    for index in state_a:
+        for key in state_a[index]:
+            assert torch.equal(torch.as_tensor(state_a[index][key]), torch.as_tensor(state_b[index][key])), \
+                f"state {index}/{key} differs"
+
+
+FEATURES = ["plain", "scheduler", "grad_scaler", "clip", "accumulation", "zero_grad_to_zeros", "read_after_wait",
+            "inference_eval", "closure", "checkpointing", "untied"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("feature", FEATURES)
+def test_overlap_trains_bitwise_like_without(feature, device):
+    device = torch.device(device)
+    runs = []
+    for overlap in (False, True):
+        model = build(device, tied=feature != "untied", activation_checkpointing=feature == "checkpointing")
+        fields = dict(unscale_in_step=True) if feature == "grad_scaler" else {}  # the step reads the scaler's tensors
+        optimizer = make_optimizer(model, overlap, device, **fields)
+        logged = train(model, optimizer, 5, device, feature)
+        runs.append((logged, snapshot(model, optimizer)))
+    (logged_off, snap_off), (logged_on, snap_on) = runs
+    assert len(logged_off) == len(logged_on)
+    for a, b in zip(logged_off, logged_on):
+        assert torch.equal(a, b), f"{feature}: logged values differ: {a} vs {b}"
+    assert_bitwise(snap_off, snap_on)
+
+
+def test_the_waits_are_what_keeps_it_right():
+    """The check above can fail: with the forward's waits switched off, the
+    same overlapped loop differs from the plain one."""
+    device = torch.device("cpu")
+    model, plain_model = build(device), build(device)
+    optimizer = make_optimizer(model, True, device)
+    plain = make_optimizer(plain_model, False, device)
+    optimizer._wait_for_forward = lambda block: None
+    train(model, optimizer, 5, device, "plain")
+    train(plain_model, plain, 5, device, "plain")
+    optimizer.wait()
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), plain_model.parameters()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_model_waits_once_at_entry(device):
+    device = torch.device(device)
+    runs = []
+    for overlap in (False, True):
+        model = build(device)
+        compiled = torch.compile(model, backend="aot_eager")
+        optimizer = make_optimizer(model, overlap, device, compiled=compiled)
+        if overlap:
+            assert optimizer._overlap.compiled and optimizer._overlap.blocks == []
+        logged = train(model, optimizer, 4, device, "plain", forward=compiled)
+        runs.append((logged, snapshot(model, optimizer)))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(a, b)
+    assert_bitwise(runs[0][1], runs[1][1])
+
+
+def test_blocks_and_batch_order():
+    """Blocks are the encoder's layers; the batches run in block order (params
+    outside every block first), and each block waits for the last batch of its
+    whole subtree."""
+    model = build(torch.device("cpu"))
+    optimizer = make_optimizer(model, True, torch.device("cpu"))
+    overlap = optimizer._overlap
+    assert overlap.blocks == list(model.encoder.layers)
+    params = list(model.parameters())
+    ranks = overlap.rank_of_params(params)
+    plan = optimizer._batch_plan()  # pipeline order
+    position_ranks = [min(ranks[i] for i in batch["params"]) for batch in plan]
+    assert position_ranks == sorted(position_ranks)
+    out_proj = [i for i, p in enumerate(params) if p is model.encoder.layers[2].self_attn.out_proj.weight][0]
+    assert overlap.positions[2] >= max(b for b, batch in enumerate(plan) if out_proj in batch["params"])
+    assert overlap.positions == sorted(overlap.positions)
+    # The head is tied to the embedding: one param, outside every block.
+    embed = [i for i, p in enumerate(params) if p is model.embed.weight][0]
+    assert ranks[embed] == -1
+    assert overlap.entry_position == max(b for b, batch in enumerate(plan)
+                                         if any(ranks[i] == -1 for i in batch["params"]))
+
+
+def test_staging_counts_until_the_step_is_waited_for():
+    device = torch.device("cpu")
+    model = build(device)
+    optimizer = make_optimizer(model, True, device)
+    train(model, optimizer, 1, device, "plain")
+    stats = optimizer.memory_stats()
+    assert stats["staging_bytes"] == stats["peak_staging_bytes"] > 0
+    optimizer.wait()
+    assert optimizer.memory_stats()["staging_bytes"] == 0
+
+
+def test_bad_uses_are_refused():
+    device = torch.device("cpu")
+    model = build(device)
+    inner = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="needs model="):
+        so.SwapOptimizer(inner, overlap_forward=True)
+    with pytest.raises(ValueError, match="only with overlap_forward=True"):
+        so.SwapOptimizer(inner, model=model)
+    with pytest.raises(TypeError, match="must be the torch.nn.Module"):
+        so.SwapOptimizer(inner, model="model", overlap_forward=True)
+    stranger = nn.Parameter(torch.randn(8))
+    with pytest.raises(ValueError, match=r"param\(s\) \[\d+\] are not in the model"):
+        so.SwapOptimizer(torch.optim.AdamW(list(model.parameters()) + [stranger]), model=model,
+                         overlap_forward=True)
+    optimizer = so.SwapOptimizer(torch.optim.AdamW(model.parameters()), model=model, overlap_forward=True)
+    with pytest.raises(ValueError, match="not in the model"):
+        optimizer.add_param_group({"params": [stranger]})
+    assert len(optimizer.param_groups) == 1
+
+
+def fault_snapshot(model, optimizer):
+    optimizer.wait()
+    return [p.detach().clone() for p in model.parameters()], {
+        (i, k): v.clone() for i, p in enumerate(model.parameters()) for k, v in optimizer.state[p].items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fault", ["stage_in", "update", "update_last_call"])
+def test_fault_at_every_batch_of_a_deferred_step_loses_nothing(fault, device):
+    """A failure at any batch: on the host backend it shows at the next wait
+    (here the next forward's hook), on CUDA when step() enqueues. Each param is
+    then wholly old or wholly new; exactly the batches before the failing one
+    are new for update faults; and training goes on bitwise like a plain
+    optimizer loaded from that state."""
+    device = torch.device(device)
+    model = build(device)
+    optimizer = make_optimizer(model, True, device)
+    train(model, optimizer, 2, device, "plain")
+    plan = optimizer._batch_plan()
+    params = list(model.parameters())
+    for fault_batch in range(len(plan)):
+        before = fault_snapshot(model, optimizer)
+        reference_model = build(device)
+        reference_model.load_state_dict(model.state_dict())
+        reference = make_optimizer(reference_model, False, device)
+        reference.load_state_dict(round_trip(optimizer.state_dict()))
+        train(reference_model, reference, 1, device, "plain")
+        after = fault_snapshot(reference_model, reference)
+
+        optimizer._set_test_hooks(fault=fault, fault_batch=fault_batch)
+        with pytest.raises(RuntimeError, match="injected test fault"):
+            train(model, optimizer, 1, device, "plain")
+            loss_of(model, tokens_for(0, device))  # the forward's first wait reports it
+        optimizer._set_test_hooks(copy_delay_us=300, seed=fault_batch)
+        now = fault_snapshot(model, optimizer)
+        new = []
+        for i in range(len(params)):
+            keys = [k for (j, k) in now[1] if j == i]
+            old = torch.equal(now[0][i], before[0][i]) and all(torch.equal(now[1][(i, k)], before[1][(i, k)])
+                                                                for k in keys)
+            fresh = torch.equal(now[0][i], after[0][i]) and all(torch.equal(now[1][(i, k)], after[1][(i, k)])
+                                                                 for k in keys)
+            assert old != fresh, f"{fault} at batch {fault_batch}: param {i} is neither wholly old nor new"
+            if fresh:
+                new.append(i)
+        if fault != "stage_in":
+            assert new == sorted(i for batch in plan[:fault_batch] for i in batch["params"])
+        assert optimizer._runtime.torn_params() == []
+    # Training goes on, overlapped, bitwise like the plain loop from here.
+    plain_model = build(device)
+    plain_model.load_state_dict(model.state_dict())
+    plain = make_optimizer(plain_model, False, device)
+    plain.load_state_dict(round_trip(optimizer.state_dict()))
+    assert all(torch.equal(a, b) for a, b in zip(train(model, optimizer, 3, device, "plain"),
+                                                 train(plain_model, plain, 3, device, "plain")))
+    assert_bitwise(snapshot(model, optimizer), snapshot(plain_model, plain))
+
+
+def test_interrupt_at_every_batch_lets_the_deferred_step_complete():
+    """Ctrl-C during a deferred step (raised on the update thread, as a signal
+    may land on any thread): the step completes, and KeyboardInterrupt reaches
+    the main thread by the next wait at the latest."""
+    device = torch.device("cpu")
+    model, plain_model = build(device), build(device)
+    optimizer = make_optimizer(model, True, device)
+    plain = make_optimizer(plain_model, False, device)
+    plan = optimizer._batch_plan()
+    for fault_batch in range(1, len(plan)):
+        optimizer._set_test_hooks(fault="interrupt", fault_batch=fault_batch)
+        with pytest.raises(KeyboardInterrupt):
+            train(model, optimizer, 1, device, "plain")
+            optimizer.wait()
+        train(plain_model, plain, 1, device, "plain")
+        optimizer._set_test_hooks()
+        assert_bitwise(snapshot(model, optimizer), snapshot(plain_model, plain))
+
+
+@requires_cuda
+def test_cuda_forward_waits_on_the_stream_without_host_sync():
+    """On CUDA the hooks' waits are stream waits: step() and the next forward
+    return before the update stream has finished (a host-side delay on the
+    copy streams holds it back), and the results are still right."""
+    device = torch.device("cuda")
+    model, plain_model = build(device), build(device)
+    optimizer = make_optimizer(model, True, device)
+    plain = make_optimizer(plain_model, False, device)
+    optimizer._set_test_hooks(copy_delay_us=20_000, seed=1)
+    train(model, optimizer, 1, device, "plain")
+    train(plain_model, plain, 1, device, "plain")
+    loss = loss_of(model, tokens_for(1, device))  # enqueued behind the update, not waited for on the host
+    assert torch.equal(loss, loss_of(plain_model, tokens_for(1, device)))
+    assert_bitwise(snapshot(model, optimizer), snapshot(plain_model, plain))
+
+
+@requires_cuda
+def test_cuda_graph_capture_of_a_waiting_forward_is_refused():
+    device = torch.device("cuda")
+    model = build(device)
+    optimizer = make_optimizer(model, True, device)
+    train(model, optimizer, 1, device, "plain")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="call optimizer.wait\\(\\) before capturing"):
+        with torch.cuda.graph(graph):
+            loss_of(model, tokens_for(0, device))
+    optimizer.wait()
