@@ -320,7 +320,6 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._device = _check_params(all_params, None)
         _check_distinct(all_params)
         self._overlap = None
-        self._deferred = False  # a step enqueued with overlap_forward may still be running
         if self.config.overlap_forward:
             if model is None:
                 raise ValueError("SwapOptimizer(overlap_forward=True) needs model=: the module whose forward uses the "
@@ -689,12 +688,14 @@ class SwapOptimizer(torch.optim.Optimizer):
                     state[p] = dict(self._entries[i])
             stepped = True
             deferred = self._overlap is not None
-            self._deferred = deferred  # before the call: an interrupt may land as soon as it returns
             self._runtime.step([_local(p) for p in params], grads, group_args, getattr(self, "grad_scale", None),
                                getattr(self, "found_inf", None), deferred=deferred)
         finally:
             self._stepping = False
-            if stepped:  # a stopped step leaves each param and its master consistent too
+            # A stopped step leaves each param and its master consistent too. A
+            # deferred one may still write params (a strided one's copy bumps
+            # its version): wait() notes them once it has finished.
+            if stepped and self._overlap is None:
                 self._note_param_versions()
         return loss
 
@@ -705,20 +706,26 @@ class SwapOptimizer(torch.optim.Optimizer):
         a weight norm, an EMA copy, an evaluation with another module). On CUDA
         the current stream waits (no host sync); on the CPU it blocks. Raises
         what stopped that step. state, state_dict(), load_state_dict(),
-        add_param_group(), the model's state_dict(), the next step() and
-        zero_grad(set_to_none=False) wait by themselves. Without
-        overlap_forward it does nothing."""
-        if not self.__dict__.get("_deferred"):
+        add_param_group(), the model's state_dict() and load_state_dict(), the
+        next step() and zero_grad(set_to_none=False) wait by themselves.
+        Without overlap_forward it does nothing."""
+        runtime = self.__dict__.get("_runtime")
+        if self.__dict__.get("_overlap") is None or runtime is None or not runtime.has_deferred_step():
             return
-        self._deferred = False  # also when it raises: the runtime has ended the step either way
-        self._runtime.wait_step()
+        try:
+            runtime.wait_step()
+        finally:  # also after a failure: its params are each wholly old or new
+            self._note_param_versions()
 
     def _wait_for_forward(self, block: Optional[int]) -> None:
         """A forward pre-hook: the model's entry (block None) or a block waits
-        for the batches that hold its params."""
-        if not self._deferred:
+        for the batches that hold its params. (The runtime knows whether a
+        step is pending: a Python flag could be cleared by a signal handler
+        between setting it and step().)"""
+        runtime = self.__dict__.get("_runtime")
+        if runtime is None:
             return
-        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing() and runtime.has_deferred_step():
             raise RuntimeError("SwapOptimizer(overlap_forward=True): the model's forward is being captured in a CUDA "
                                "graph while a step is still running; call optimizer.wait() before capturing (CUDA "
                                "graphs with overlap_forward are not supported yet)")
@@ -726,7 +733,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             return self.wait()
         position = self._overlap.position_for(block)
         if position >= 0:
-            self._runtime.wait_ready(position)
+            try:
+                runtime.wait_ready(position)
+            except BaseException:
+                if not runtime.has_deferred_step():  # it raised what stopped the step, which is over
+                    self._note_param_versions()
+                raise
 
     @_on_the_optimizer_itself
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102  (torch.optim API)

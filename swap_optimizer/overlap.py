@@ -12,12 +12,13 @@ that does not wait would be silent. These rules are the whole safety story
   TransformerEncoderLayer fast path that skips child hooks) is covered.
 - A pre-hook on the model itself waits for the params outside every block
   (embeddings, a head whose weight a fused loss reads) before anything runs.
-- A compiled model (torch.compile) gets one whole-step wait at its entry:
-  hooks inside a compiled region may be skipped, so none are relied on there.
+- A compiled model (torch.compile, or any module of it compiled) gets one
+  whole-step wait at its entry: hooks inside a compiled region may be
+  skipped, so none are relied on there.
 - Everything else that reads or writes params or grads outside the forward
   waits through SwapOptimizer: wait(), state, state_dict(), load_state_dict(),
-  add_param_group(), the model's state_dict(), the next step() (after its
-  closure), zero_grad(set_to_none=False).
+  add_param_group(), the model's state_dict() and load_state_dict(), the next
+  step() (after its closure), zero_grad(set_to_none=False).
 """
 
 from __future__ import annotations
@@ -29,39 +30,71 @@ import torch
 from torch import nn
 
 
-def is_compiled(model: nn.Module) -> bool:
-    """torch.compile(model) (an OptimizedModule) or model.compile()."""
+def _is_compiled(module: nn.Module) -> bool:
+    """torch.compile(module) (an OptimizedModule) or module.compile()."""
     optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
     optimized = getattr(optimized, "OptimizedModule", None)
-    return (optimized is not None and isinstance(model, optimized)) or \
-        getattr(model, "_compiled_call_impl", None) is not None
+    return (optimized is not None and isinstance(module, optimized)) or \
+        getattr(module, "_compiled_call_impl", None) is not None
+
+
+def has_compiled_part(model: nn.Module) -> bool:
+    """The model or any module in it is compiled (per-block compile too)."""
+    return _is_compiled(model) or any(_is_compiled(m) for m in model.modules())
+
+
+def _is_container(module: nn.Module) -> bool:
+    """A module that is never called itself (its forward is Module's own), so
+    hooks on it never run: ModuleList, ModuleDict, a plain holder."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) or type(module).forward is nn.Module.forward
+
+
+def _called_blocks(module: nn.Module) -> list[nn.Module]:
+    """module, or, when it is a container, the called modules below it."""
+    if not _is_container(module):
+        return [module]
+    return [block for child in module.children() for block in _called_blocks(child)]
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of the model's outermost ModuleLists, in order; else its
-    top-level children (under a DDP or DataParallel wrapper, the wrapped
-    module's)."""
+    """The children of the model's outermost ModuleLists, in order (a child
+    that is itself a container, such as the inner list of
+    ModuleList([ModuleList([attn, ff]), ...]), gives its called modules);
+    else the model's top-level children."""
     blocks: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
             if isinstance(child, nn.ModuleList):
-                blocks.extend(child.children())
+                blocks.extend(block for item in child.children() for block in _called_blocks(item))
             else:
                 visit(child)
 
     visit(model)
     if not blocks:
         root = model
-        while isinstance(root, (nn.DataParallel, nn.parallel.DistributedDataParallel)):  # wrappers of one module
+        while isinstance(root, nn.parallel.DistributedDataParallel):  # a wrapper of one module
             root = root.module
-        blocks = list(root.children())
+        blocks = [block for child in root.children() for block in _called_blocks(child)]
     seen, unique = set(), []
     for block in blocks:  # a block listed in two ModuleLists waits once
         if id(block) not in seen:
             seen.add(id(block))
             unique.append(block)
     return unique
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuses wrappers that read every param before any block's hook runs."""
+    for module in model.modules():
+        if isinstance(module, nn.DataParallel):
+            raise ValueError("SwapOptimizer(overlap_forward=True): nn.DataParallel copies every param to its devices "
+                             "before any block runs, which would read them before their update; use "
+                             "DistributedDataParallel, or overlap_forward=False")
+        if type(module).__name__ == "FullyShardedDataParallel":
+            raise ValueError("SwapOptimizer(overlap_forward=True) does not support FSDP (FullyShardedDataParallel "
+                             "gathers params on its own stream ahead of the blocks that use them); use "
+                             "overlap_forward=False with FSDP")
 
 
 class ForwardOverlap:
@@ -72,7 +105,8 @@ class ForwardOverlap:
         if not isinstance(model, nn.Module):
             raise TypeError(f"SwapOptimizer(overlap_forward=True): model must be the torch.nn.Module whose forward "
                             f"uses the params, got {type(model).__name__}")
-        self.compiled = is_compiled(model)
+        check_model(model)
+        self.compiled = has_compiled_part(model)
         self.blocks = [] if self.compiled else find_blocks(model)
         self._ranks_by_id = {}
         for rank, block in enumerate(self.blocks):
@@ -109,8 +143,17 @@ class ForwardOverlap:
 
         self._handles = [model.register_forward_pre_hook(wait_at_entry)]
         self._handles += [block.register_forward_pre_hook(make_block_hook(i)) for i, block in enumerate(self.blocks)]
-        # On every module: model.layers[0].state_dict() reads params too.
-        self._handles += [m.register_state_dict_pre_hook(wait_before_state_dict) for m in model.modules()]
+        @torch.compiler.disable
+        def wait_before_load(module, *args):
+            owner = itself()
+            if owner is not None:
+                owner.wait()
+
+        # On every module: model.layers[0].state_dict() reads params too, and
+        # loading writes them.
+        for module in model.modules():
+            self._handles.append(module.register_state_dict_pre_hook(wait_before_state_dict))
+            self._handles.append(module.register_load_state_dict_pre_hook(wait_before_load))
         self._finalizer = weakref.finalize(optimizer, ForwardOverlap._remove, self._handles)
 
     @staticmethod

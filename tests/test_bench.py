@@ -69,6 +69,8 @@ def test_bf16_runs_with_and_without_master_weights(tmp_path):
     (["--hidden", "100", "--heads", "3"], "not a multiple of --heads"),
     (["--batch-size", "0"], "positive integer"),
     (["--device", "tpu"], "expected cpu, cuda or cuda:N"),
+    (["--timeline", "t.png"], "add --overlap"),
+    (["--overlap", "--timeline", "t.svg"], "ending in .png"),
     (["--preset", "1.3b", "--batch-size", "64"], "needs about .* GiB .* free; pick a smaller --preset"),
 ])
 def test_argument_errors(args, message, capsys):
@@ -136,3 +138,35 @@ def test_kahan_state_mode_needs_16bit_params(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--quick", "--state-modes", "int4"])
     assert "expected comma-separated state modes" in capsys.readouterr().err
+
+
+def test_overlap_joins_the_training_step_comparison(tmp_path, capsys):
+    """--overlap: each swap mode gets an overlapped twin, every mode a
+    back-to-back training step time with its ratio to resident, and
+    --timeline plots the overlapped step (copies and updates per batch) and
+    the next forward (per block). Figures are reported, not asserted."""
+    timeline = tmp_path / "timeline.png"
+    report, _ = run(tmp_path, "--swap-times", "4", "--num-arenas", "3", "--overlap", "--timeline", str(timeline))
+    rows = {row["mode"]: row for row in report["modes"]}
+    assert list(rows) == ["resident", "swap s4 a3", "swap s4 a3 overlap"]
+    assert report["settings"]["overlap"] is True
+    assert rows["swap s4 a3 overlap"]["overlap"] and not rows["swap s4 a3"]["overlap"]
+    assert all(row["loop_step_ms"] > 0 for row in rows.values())
+    # Same bytes and staging; no copy floor for a step() that only enqueues.
+    assert rows["swap s4 a3 overlap"]["h2d_bytes"] == rows["swap s4 a3"]["h2d_bytes"]
+    assert rows["swap s4 a3 overlap"]["floor_ms"] is None
+    spans = rows["swap s4 a3 overlap"]["timeline"]["spans"]
+    batches = sum(1 for s in spans if s["lane"] == "update")  # positions: the rotating batches and the resident one
+    assert batches == rows["swap s4 a3 overlap"]["batches"] + 1
+    for lane in ("copy in", "update", "copy out"):
+        assert sorted(s["batch"] for s in spans if s["lane"] == lane) == list(range(batches)), lane
+    assert sorted(s["batch"] for s in spans if s["lane"] == "forward") == [0, 1]  # micro: 2 blocks
+    assert all(0 <= s["start"] <= s["end"] for s in spans)
+    # Within a batch: copied in, then updated, then copied out.
+    for b in range(batches):
+        lanes = {s["lane"]: s for s in spans if s["batch"] == b and s["lane"] != "forward"}
+        assert lanes["copy in"]["end"] <= lanes["update"]["start"] + 1e-4
+        assert lanes["update"]["end"] <= lanes["copy out"]["start"] + 1e-4
+    assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "loop vs resident" in out and "| swap s4 a3 overlap |" in out

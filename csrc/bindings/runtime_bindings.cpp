@@ -160,7 +160,9 @@ void bind_runtime(py::module& module) {
       .def("set_batch_order", &SwapRuntime::set_batch_order, py::arg("rank_of_param"),
            py::call_guard<py::gil_scoped_release>(),
            "Runs batches in the order of their params' ranks (chains of cut params move whole).")
-      .def("pipeline_order", &SwapRuntime::pipeline_order,
+      .def("has_deferred_step", &SwapRuntime::has_deferred_step, py::call_guard<py::gil_scoped_release>(),
+           "Whether a deferred step has not been waited for yet.")
+      .def("pipeline_order", &SwapRuntime::pipeline_order, py::call_guard<py::gil_scoped_release>(),
            "The plan index of the batch at each pipeline position.")
       .def("enable_timeline", &SwapRuntime::enable_timeline, py::arg("enabled"),
            py::call_guard<py::gil_scoped_release>(), "Benchmark only: note each batch's copy and update times.")
@@ -213,7 +215,9 @@ void bind_runtime(py::module& module) {
       .def("set_test_hooks",
            [](SwapRuntime& self, int64_t copy_delay_us, uint64_t seed,
               const std::optional<std::string>& fault, int64_t fault_batch, int64_t simulated_free_bytes) {
-             self.set_test_hooks({copy_delay_us, seed, parse_fault(fault), fault_batch, simulated_free_bytes});
+             const runtime::TestHooks hooks{copy_delay_us, seed, parse_fault(fault), fault_batch, simulated_free_bytes};
+             py::gil_scoped_release no_gil;  // it may wait for a deferred step
+             self.set_test_hooks(hooks);
            },
            py::arg("copy_delay_us") = 0, py::arg("seed") = 0, py::arg("fault") = py::none(),
            py::arg("fault_batch") = -1, py::arg("simulated_free_bytes") = -1,

@@ -146,7 +146,7 @@ void HostTransport::mark_ready(int64_t position) {
 bool HostTransport::wait_ready(int64_t position) {
   std::unique_lock<std::mutex> lock(ready_mutex_);
   ready_changed_.wait(lock, [&] { return released_ || ready_ > position; });
-  return released_;
+  return ready_ <= position;  // released before reaching it: the step stopped short
 }
 
 void HostTransport::release_ready() noexcept {

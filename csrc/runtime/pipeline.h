@@ -63,8 +63,8 @@ class Transport {
   // Readiness of a deferred step's batches, by pipeline position: open_ready
   // starts a step with none ready, mark_ready(p) follows p's update on the
   // compute queue, wait_ready(p) makes the caller's queue wait for it (CUDA: a
-  // stream wait; host: blocks) and returns whether the step has ended (host:
-  // release_ready was called, by the end of the step or its failure; CUDA:
+  // stream wait; host: blocks) and returns whether the step stopped before
+  // reaching it (host: release_ready came first, after a failure; CUDA:
   // always false, as its failures show when enqueued).
   virtual void open_ready(int64_t positions) = 0;
   virtual void mark_ready(int64_t position) = 0;

@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 
 #include <ATen/ThreadLocalState.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
@@ -663,9 +664,13 @@ void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
     if (!update_thread_) update_thread_ = std::make_unique<WorkerQueue>();
     deferred_ = work;
     // The pipeline runs on the update thread with this thread's thread-local
-    // state (grad mode, dispatch keys); its failure is kept for the next wait.
+    // state (grad mode, dispatch keys), below Python's dispatch keys: a
+    // Python mode active here must not make the update thread need the GIL,
+    // which a waiting caller may hold. Its failure is kept for the next wait.
     deferred_ticket_ = update_thread_->submit([this, work, state = at::ThreadLocalState()] {
       const at::ThreadLocalStateGuard guard(state);
+      const c10::impl::ExcludeDispatchKeyGuard no_python(
+          c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
       try {
         run_pipeline(*transport_, *work, slot_of_batch_);
       } catch (...) {
@@ -722,6 +727,11 @@ void SwapRuntime::wait_ready(int64_t position) {
                     "position ", position, " of ", order_.size());
   const c10::DeviceGuard guard(device_);
   if (transport_->wait_ready(position)) finish_deferred();  // the step has ended: report how
+}
+
+bool SwapRuntime::has_deferred_step() const {
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  return deferred_ != nullptr;
 }
 
 void SwapRuntime::wait_step() {

@@ -140,6 +140,7 @@ class SwapRuntime {
   // deferred step is in flight.
   void wait_ready(int64_t position);
   void wait_step();
+  bool has_deferred_step() const;  // a deferred step not yet waited for
 
   // Runs the batches in the order of their params' ranks (a chain of batches
   // that cut a param moves as one, by its least rank; ties keep plan order).

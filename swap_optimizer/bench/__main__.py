@@ -13,7 +13,7 @@ import torch
 
 from .. import built_with_cuda
 from .model import PRESETS, GPTConfig
-from .report import Progress, table, write_json, write_plot
+from .report import Progress, table, write_json, write_plot, write_timeline
 from .runner import STATE_MODES, make_modes, measure_bandwidth, run_mode, torchao_offload_class
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -86,6 +86,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=_positive_int, default=3, help="untimed steps per mode")
     p.add_argument("--repeats", type=_positive_int, default=10, help="timed steps per mode (median; at least 10)")
     p.add_argument("--quick", action="store_true", help="the micro model, one warm-up step: about 30 s on a CPU")
+    p.add_argument("--overlap", action="store_true",
+                   help="add each swap mode with overlap_forward=True (its step runs beside the next forward), and "
+                        "time every mode's whole training step over back-to-back steps (one sync at the end)")
+    p.add_argument("--timeline", metavar="PATH.png",
+                   help="with --overlap: plot the first overlapped mode's step and next forward (per batch: copy "
+                        "in, update, copy out; per block: forward)")
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot peak memory against step time")
     return p
@@ -145,6 +151,12 @@ def main(argv=None) -> int:
         p.error(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: pip install matplotlib")
+    if args.timeline and not args.overlap:
+        p.error("--timeline plots an overlapped step: add --overlap")
+    if args.timeline and not args.timeline.endswith(".png"):
+        p.error(f"--timeline writes a PNG: give a path ending in .png, got {args.timeline}")
+    if args.timeline and importlib.util.find_spec("matplotlib") is None:
+        p.error("--timeline needs matplotlib: pip install matplotlib")
     if args.repeats < 10 and not args.quick:
         p.error("--repeats must be at least 10: the step time is the median of at least 10 steps")
     preset, config = model_config(args, p)
@@ -160,7 +172,8 @@ def main(argv=None) -> int:
     bandwidth = measure_bandwidth(device, 64 << 20 if not cpu else 16 << 20, 5)
     if dtype == torch.float32 and any(state.startswith("kahan") for state in args.state_modes):
         p.error("--state-modes kahan+...: Kahan summation applies to 16-bit params; add --dtype bf16 or fp16")
-    modes = make_modes(device, dtype, args.swap_times, args.num_arenas, args.state_modes)
+    modes = make_modes(device, dtype, args.swap_times, args.num_arenas, args.state_modes, args.overlap)
+    timeline_mode = next((m for m in modes if m.overlap), None) if args.timeline else None
     print(f"swap_optimizer benchmark: {preset} GPT ({config.param_count() / 1e6:,.1f}M params, {args.dtype}), "
           f"batch {args.batch_size} x {config.seq_len} tokens on {device}; {len(modes)} modes, "
           f"median of {args.repeats} steps after {warmup} warm-up", flush=True)
@@ -173,24 +186,33 @@ def main(argv=None) -> int:
     progress.show(modes[0].name)
     rows = []
     for mode in modes:
-        rows.append(run_mode(mode, config, dtype, device, args.batch_size, warmup, args.repeats, bandwidth).as_dict())
+        rows.append(run_mode(mode, config, dtype, device, args.batch_size, warmup, args.repeats, bandwidth,
+                             loop=args.overlap, timeline=mode == timeline_mode).as_dict())
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the next mode starts from the same empty device
         progress.advance(mode.name)
     print(f"\ncopy bandwidth measured here: H2D {bandwidth.host_to_device / 1e9:.2f} GB/s, "
           f"D2H {bandwidth.device_to_host / 1e9:.2f} GB/s, both at once {bandwidth.both_directions / 1e9:.2f} GB/s")
     print(table(rows, cpu))
+    if args.overlap:
+        print("loop train step: zero_grad, forward and backward, and step() over the timed steps back to back, "
+              "synchronised once at the end (an overlapped step runs beside the next forward).")
     report = {"environment": environment(device, bandwidth),
               "model": {"preset": preset, "params": config.param_count(), "dtype": args.dtype,
                         "batch_size": args.batch_size, **config.as_dict()},
               "settings": {"warmup": warmup, "repeats": args.repeats, "swap_times": args.swap_times,
-                           "num_arenas": args.num_arenas,
+                           "num_arenas": args.num_arenas, "overlap": args.overlap,
                            "memory": "runtime accounting" if cpu else "torch.cuda.max_memory_allocated",
                            "times": "perf_counter (CPU)" if cpu else "CUDA events"},
               "modes": rows}
     if args.json:
         write_json(args.json, report)
         print(f"wrote {args.json}")
+    if timeline_mode is not None:
+        row = next(r for r in rows if r["mode"] == timeline_mode.name)
+        write_timeline(args.timeline, row["timeline"]["spans"],
+                       f"{preset} GPT, {args.dtype}, {device}: {timeline_mode.name}, one step and the next forward")
+        print(f"wrote {args.timeline}")
     if args.plot:
         title = f"{preset} GPT, {args.dtype}, {device}" + (" (CPU times, runtime accounting)" if cpu else "")
         write_plot(args.plot, rows, title)

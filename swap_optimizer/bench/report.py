@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Optional
 
 MIB = 1 << 20
 
@@ -34,6 +35,12 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value:,.2f}"
 
 
+def _loop_cells(row: dict, resident: Optional[dict]) -> list[str]:
+    ms = row.get("loop_step_ms")
+    base = None if resident is None else resident.get("loop_step_ms")
+    return [_ms(ms), "-" if ms is None or not base else f"{ms / base:.2f}"]
+
+
 def table(rows: list[dict], cpu: bool) -> str:
     """The results as a Markdown table, with ratios against the resident mode."""
     resident = next((r for r in rows if r["kind"] == "resident"), None)
@@ -41,6 +48,9 @@ def table(rows: list[dict], cpu: bool) -> str:
     header = ["mode", f"peak train ({memory})", f"peak step() ({memory})", "vs resident", "step() ms",
               "train step ms", "H2D MiB", "D2H MiB", "B/param each way", "floor ms", "step/floor",
               "step vs default", "host MiB"]
+    loop = any("loop_step_ms" in r for r in rows)
+    if loop:  # --overlap: whole training steps back to back, the same way for every mode
+        header += ["loop train step ms", "loop vs resident"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
 
     def default_of(r):  # the same batching with default (torch) state: the ratio's base
@@ -56,7 +66,8 @@ def table(rows: list[dict], cpu: bool) -> str:
         lines.append("| " + " | ".join([r["mode"], _mib(r["peak_train_bytes"]), _mib(r["peak_step_bytes"]), ratio,
                                          _ms(r["step_ms"]), _ms(r["train_step_ms"]), _mib(r["h2d_bytes"]),
                                          _mib(r["d2h_bytes"]), "-" if per_param is None else f"{per_param:.2f}",
-                                         _ms(r["floor_ms"]), over, versus, _mib(r["host_bytes"])]) + " |")
+                                         _ms(r["floor_ms"]), over, versus, _mib(r["host_bytes"])]
+                            + (_loop_cells(r, resident) if loop else [])) + " |")
     return "\n".join(lines)
 
 
@@ -89,6 +100,37 @@ def write_plot(path: str, rows: list[dict], title: str) -> None:
     axes.set_title(title, fontsize=9)
     axes.grid(True, alpha=0.3)
     axes.legend(loc="best", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+LANES = ("copy in", "update", "copy out", "forward")
+
+
+def write_timeline(path: str, spans: list[dict], title: str) -> None:
+    """One overlapped step and the next forward: per batch its copy in, update
+    and copy out, per block its forward, on a shared time axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(10, 3.8))
+    colours = plt.get_cmap("tab20")
+    for lane_index, lane in enumerate(LANES):
+        for span in (s for s in spans if s["lane"] == lane):
+            start, width = span["start"] * 1e3, max((span["end"] - span["start"]) * 1e3, 1e-3)
+            axes.broken_barh([(start, width)], (lane_index - 0.4, 0.8), facecolors=colours(span["batch"] % 20),
+                             edgecolor="black", linewidth=0.3)
+            if width > 0.02 * max(s["end"] for s in spans) * 1e3:
+                axes.text(start + width / 2, lane_index, str(span["batch"]), ha="center", va="center", fontsize=6)
+    axes.set_yticks(range(len(LANES)))
+    axes.set_yticklabels(["copy in (batch)", "update (batch)", "copy out (batch)", "forward (block)"])
+    axes.invert_yaxis()
+    axes.set_xlabel("ms after step() began")
+    axes.set_title(title, fontsize=9)
+    axes.grid(True, axis="x", alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -29,6 +29,7 @@ class Mode:
     num_arenas: int = 0
     master_weights: bool = False
     state: str = "default"  # a key of STATE_MODES
+    overlap: bool = False   # overlap_forward=True: the step runs beside the next forward
 
 
 # How a swap mode stores its state: SwapOptimizer fields ("default": as torch).
@@ -73,7 +74,8 @@ class Result:
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        row = {"mode": self.mode.name, "kind": self.mode.kind, "swap_times": self.mode.swap_times,
+        row = {"mode": self.mode.name, "kind": self.mode.kind, "overlap": self.mode.overlap,
+               "swap_times": self.mode.swap_times,
                "num_arenas": self.mode.num_arenas, "master_weights": self.mode.master_weights,
                "state": self.mode.state,
                "peak_train_bytes": self.peak_train_bytes, "peak_step_bytes": self.peak_step_bytes,
@@ -95,7 +97,9 @@ def torchao_offload_class():
 
 
 def make_modes(device: torch.device, dtype: torch.dtype, swap_times: list[int], num_arenas: list[int],
-               states: tuple[str, ...] = ("default",)) -> list[Mode]:
+               states: tuple[str, ...] = ("default",), overlap: bool = False) -> list[Mode]:
+    """Resident, then each swap setting (with overlap: followed by its
+    overlapped twin), then peers."""
     modes = [Mode("resident", "resident")]
     for state in states:
         masters = [False, True] if dtype != torch.float32 and state == "default" else [False]
@@ -104,6 +108,8 @@ def make_modes(device: torch.device, dtype: torch.dtype, swap_times: list[int], 
                 for times in swap_times:
                     suffix = ("+master" if master else "") + ("" if state == "default" else f" {state}")
                     modes.append(Mode(f"swap s{times} a{arenas}{suffix}", "swap", times, arenas, master, state))
+                    if overlap:
+                        modes.append(replace(modes[-1], name=modes[-1].name + " overlap", overlap=True))
     if device.type == "cuda" and torchao_offload_class() is not None:
         modes.append(Mode("torchao CPUOffloadOptimizer", "torchao"))
     return modes
@@ -141,6 +147,8 @@ def build_optimizer(mode: Mode, model: GPT):
         return torchao_offload_class()(params, torch.optim.AdamW, lr=LR, fused=True)
     fields = STATE_MODES[mode.state] or dict(master_weights=mode.master_weights,
                                              state_dtype=torch.float32 if mode.master_weights else None)
+    if mode.overlap:
+        fields = dict(fields, model=model, overlap_forward=True)
     return SwapOptimizer(torch.optim.AdamW(params, lr=LR), swap_times=mode.swap_times, num_arenas=mode.num_arenas,
                          **fields)
 
@@ -150,8 +158,67 @@ def resident_state_bytes(model: GPT) -> int:
     return sum(2 * p.numel() * p.element_size() for p in model.parameters())
 
 
+def time_training_loop(model: GPT, optimizer, tokens: torch.Tensor, timer: "Timer", iterations: int) -> float:
+    """Seconds per training step (zero_grad, forward and backward, step) over
+    `iterations` back to back, synchronised once at the end: an overlapped
+    step runs beside the next forward, which a sync per step would forbid."""
+    def loop():
+        for _ in range(iterations):
+            optimizer.zero_grad(set_to_none=True)
+            model.loss(tokens).backward()
+            optimizer.step()
+        if isinstance(optimizer, SwapOptimizer):
+            optimizer.wait()  # the last step's end (CUDA: a stream wait, inside the timed region)
+    return timer(loop)() / iterations
+
+
+def record_timeline(model: GPT, optimizer: SwapOptimizer, tokens: torch.Tensor, cuda: bool) -> dict:
+    """One step and the next forward and backward, with each batch's copies and
+    update (the runtime's stamps) and each block's forward, in seconds after
+    step() began."""
+    optimizer._set_timeline(True)
+    blocks, handles = [], []
+    clock = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else None
+
+    def mark():
+        if cuda:
+            event = clock()
+            event.record()
+            return event
+        return time.perf_counter()
+
+    for index, block in enumerate(model.blocks):
+        handles.append(block.register_forward_pre_hook(lambda m, a, i=index: blocks.append([i, mark(), None])))
+        handles.append(block.register_forward_hook(lambda m, a, o, i=index: blocks[-1].__setitem__(2, mark())))
+    try:
+        optimizer.zero_grad(set_to_none=True)
+        blocks.clear()
+        model.loss(tokens).backward()
+        if cuda:
+            torch.cuda.synchronize()
+        blocks.clear()
+        begin = mark()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.loss(tokens).backward()
+        optimizer.wait()
+        if cuda:
+            torch.cuda.synchronize()
+        spans = optimizer._timeline()
+    finally:
+        for handle in handles:
+            handle.remove()
+        optimizer._set_timeline(False)
+    seconds = (lambda mark_: begin.elapsed_time(mark_) / 1e3) if cuda else (lambda mark_: mark_ - begin)
+    spans += [dict(lane="forward", batch=i, start=seconds(start), end=seconds(end)) for i, start, end in blocks]
+    return {"spans": spans}
+
+
 def run_mode(mode: Mode, config: GPTConfig, dtype: torch.dtype, device: torch.device, batch_size: int,
-             warmup: int, repeats: int, bandwidth: Bandwidth) -> Result:
+             warmup: int, repeats: int, bandwidth: Bandwidth, loop: bool = False,
+             timeline: bool = False) -> Result:
+    """Measures one mode. loop: also the back-to-back training step time
+    (time_training_loop); timeline: also record_timeline (swap modes)."""
     torch.manual_seed(0)
     with torch.device(device):  # built where it trains: a 1.3B model initialised on the CPU takes minutes
         model = GPT(config).to(dtype=dtype)
@@ -189,14 +256,19 @@ def run_mode(mode: Mode, config: GPTConfig, dtype: torch.dtype, device: torch.de
 
     h2d = d2h = host = 0
     extra = {}
+    if loop:
+        extra["loop_step_ms"] = time_training_loop(model, optimizer, tokens, timer, repeats) * 1e3
+    if timeline and mode.kind == "swap":
+        extra["timeline"] = record_timeline(model, optimizer, tokens, cuda)
     two_way = False
     if mode.kind == "swap":
         stats = optimizer.memory_stats()
         h2d, d2h, host = stats["h2d_bytes"], stats["d2h_bytes"], stats["host_state_bytes"]
         two_way = stats["num_arenas"] >= 3
-        extra = {"peak_staging_bytes": stats["peak_staging_bytes"], "resident_state_bytes": stats["resident_state_bytes"],
-                 "bytes_per_param_each_way": stats["bytes_per_param_each_way"],
-                 "batches": stats["batches"], "arenas_used": stats["num_arenas"], "pinned": stats["pinned"]}
+        extra.update({"peak_staging_bytes": stats["peak_staging_bytes"],
+                      "resident_state_bytes": stats["resident_state_bytes"],
+                      "bytes_per_param_each_way": stats["bytes_per_param_each_way"],
+                      "batches": stats["batches"], "arenas_used": stats["num_arenas"], "pinned": stats["pinned"]})
     elif mode.kind == "torchao":
         # It moves grads to the host and updated params back, and keeps fp32 params and states there.
         numel = sum(p.numel() for p in model.parameters())
@@ -215,6 +287,7 @@ def run_mode(mode: Mode, config: GPTConfig, dtype: torch.dtype, device: torch.de
         else:
             on_device = resident_state_bytes(model)
         peak_train = peak_step = 2 * model_bytes + on_device
-    floor = bandwidth.floor_seconds(h2d, d2h, two_way) if h2d or d2h else None
+    # An overlapped step() only enqueues: its time says nothing against the copy floor.
+    floor = bandwidth.floor_seconds(h2d, d2h, two_way) if (h2d or d2h) and not mode.overlap else None
     return Result(mode, peak_train, peak_step, statistics.median(step_times), statistics.median(train_times),
                   h2d, d2h, host, floor, extra)

@@ -6,14 +6,18 @@
 // hold exactly what the host held (a missing wait shows up as a wrong value or
 // as a data race). Random copy delays reorder the workers; injected update and
 // copy-in failures and interrupts check that every batch, step count included,
-// ends wholly old or wholly new. The store plan and the whole-param partition
-// are checked on random inputs too. Exits non-zero on the first failure.
+// ends wholly old or wholly new. Deferred steps run the pipeline on an update
+// thread while the main thread waits for each batch's readiness (as the
+// forward's hooks do) and reads what the update wrote. The store plan and the
+// whole-param partition are checked on random inputs too. Exits non-zero on
+// the first failure.
 #include "runtime/host_transport.h"
 #include "runtime/pipeline.h"
 #include "runtime/store_plan.h"
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <cstdlib>
 #include <random>
 #include <stdexcept>
@@ -49,6 +53,10 @@ class CountingWork final : public rt::BatchWork {
 
   // The step table: one count per batch, incremented by the batch's update.
   std::vector<float> host_steps, device_steps;
+  // Deferred steps: what each update writes outside the arenas (a param), and
+  // readiness marked after it.
+  bool deferred = false;
+  std::vector<float> params;
 
   void stage_in_step_table() override {
     const int64_t bytes = static_cast<int64_t>(host_steps.size() * sizeof(float));
@@ -89,6 +97,10 @@ class CountingWork final : public rt::BatchWork {
       value += 1.0f;
     }
     device_steps[batch] += 1.0f;
+    if (deferred) {
+      params[batch] = static_cast<float>(expected_value + 1);
+      transport_.mark_ready(batch);
+    }
   }
 
  private:
@@ -112,7 +124,7 @@ class CountingWork final : public rt::BatchWork {
   std::vector<std::vector<float>> arenas_;
 };
 
-void run_case(int arenas, int batches, uint64_t seed) {
+void run_case(int arenas, int batches, uint64_t seed, bool deferred) {
   std::mt19937_64 random(seed);
   std::vector<std::vector<float>> host;
   int64_t largest = 0;
@@ -128,6 +140,9 @@ void run_case(int arenas, int batches, uint64_t seed) {
   CountingWork work(transport, host, slots, largest);
   work.host_steps.assign(batches, 0.0f);
   work.device_steps.assign(batches, -1.0f);  // garbage until the step table is copied in
+  work.deferred = deferred;
+  work.params.assign(batches, 0.0f);
+  rt::WorkerQueue update_thread;
 
   int64_t steps_done = 0;
   for (int step = 0; step < 12; ++step) {
@@ -142,11 +157,38 @@ void run_case(int arenas, int batches, uint64_t seed) {
     // A fresh device step table holds garbage until its copy in lands.
     std::fill(work.device_steps.begin(), work.device_steps.end(), -1.0f);
     bool threw = false;
-    try {
-      rt::run_pipeline(transport, work, slot_of_batch);
+    if (deferred) {
+      std::exception_ptr failure;
+      transport.open_ready(batches);
+      const uint64_t ticket = update_thread.submit([&] {
+        try {
+          rt::run_pipeline(transport, work, slot_of_batch);
+        } catch (...) {
+          failure = std::current_exception();
+        }
+        transport.release_ready();
+      });
+      // The forward's hooks: wait for each batch in turn and read its param.
+      for (int b = 0; b < batches; ++b) {
+        const bool ended = transport.wait_ready(b);
+        if (!ended && work.params[b] != static_cast<float>(steps_done + 1)) {
+          expect(false, "batch " + std::to_string(b) + " was ready before its update wrote the param");
+        }
+      }
+      update_thread.wait_for(ticket);
       transport.host_wait(rt::kStepEndMarker);
-    } catch (const Injected&) {
-      threw = true;
+      try {
+        if (failure) std::rethrow_exception(failure);
+      } catch (const Injected&) {
+        threw = true;
+      }
+    } else {
+      try {
+        rt::run_pipeline(transport, work, slot_of_batch);
+        transport.host_wait(rt::kStepEndMarker);
+      } catch (const Injected&) {
+        threw = true;
+      }
     }
     // A copy in of batch `at` is enqueued once the batch before it in its slot is updated.
     const int64_t stop = work.fail_update_at >= 0      ? work.fail_update_at
@@ -156,6 +198,9 @@ void run_case(int arenas, int batches, uint64_t seed) {
     // Batches before the failure are new, the rest old; each wholly, its step count too.
     for (int b = 0; b < batches; ++b) {
       const float want = static_cast<float>(threw && b >= stop ? steps_done : steps_done + 1);
+      if (deferred && work.params[b] != want) {
+        expect(false, "batch " + std::to_string(b) + "'s param is " + std::to_string(work.params[b]));
+      }
       if (work.host_steps[b] != want) {
         expect(false, "batch " + std::to_string(b) + "'s step count is " + std::to_string(work.host_steps[b]) +
                           ", expected " + std::to_string(want));
@@ -174,6 +219,7 @@ void run_case(int arenas, int batches, uint64_t seed) {
       for (int b = static_cast<int>(stop); b < batches; ++b) {
         for (float& value : host[b]) value += 1.0f;
         work.host_steps[b] += 1.0f;
+        work.params[b] += 1.0f;
       }
     }
     ++steps_done;
@@ -336,13 +382,16 @@ int main() {
   check_partition();
   check_plan();
   uint64_t seed = 1;
-  for (int arenas : {2, 3, 4}) {
-    for (int batches : {1, 2, 3, 5, 9}) run_case(arenas, batches, seed++);
+  for (const bool deferred : {false, true}) {
+    for (int arenas : {2, 3, 4}) {
+      for (int batches : {1, 2, 3, 5, 9}) run_case(arenas, batches, seed++, deferred);
+    }
   }
   if (failures) {
     std::fprintf(stderr, "%d failure(s)\n", failures);
     return 1;
   }
-  std::printf("pipeline_stress: 15 pipeline cases x 12 steps, 300 partitions and 400 store plans passed\n");
+  std::printf("pipeline_stress: 15 pipeline cases x 12 steps, inline and deferred, 300 partitions and 400 store "
+              "plans passed\n");
   return 0;
 }

@@ -74,7 +74,11 @@ class CudaTransport final : public Transport {
   void host_wait(int marker) override { C10_CUDA_CHECK(cudaEventSynchronize(events_[marker])); }
 
   void enter_update_queue() override {
-    if (!update_) update_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_);
+    if (!update_) {  // a stream of its own: one of torch's pool streams may also be a user's side stream
+      cudaStream_t stream = nullptr;
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      update_ = c10::cuda::getStreamFromExternal(stream, device_);
+    }
     caller_ = c10::cuda::getCurrentCUDAStream(device_);
     C10_CUDA_CHECK(cudaEventRecord(caller_event_, caller_->stream()));
     C10_CUDA_CHECK(cudaStreamWaitEvent(update_->stream(), caller_event_, 0));
@@ -195,6 +199,8 @@ class CudaTransport final : public Transport {
     destroy_stamps();
     if (caller_event_ != nullptr) C10_CUDA_IGNORE_ERROR(cudaEventDestroy(caller_event_));
     caller_event_ = nullptr;
+    if (update_) C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(update_->stream()));
+    update_.reset();
     if (to_host_ != nullptr && to_host_ != to_device_) C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(to_host_));
     if (to_device_ != nullptr) C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(to_device_));
     to_host_ = to_device_ = nullptr;
@@ -209,7 +215,7 @@ class CudaTransport final : public Transport {
   cudaStream_t to_host_ = nullptr;
   cudaStream_t compute_ = nullptr;
   std::vector<cudaEvent_t> events_;
-  // Deferred steps: the update stream (from torch's pool, taken once), the
+  // Deferred steps: the update stream (made at the first, destroyed here), the
   // caller's stream while a step is enqueued, the event the update stream
   // waits on, and one readiness event per pipeline position.
   std::optional<c10::cuda::CUDAStream> update_;
