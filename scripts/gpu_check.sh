@@ -40,7 +40,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 "$PY" -P -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 # Offline: no dependency resolution, build against the torch that is there.
-stage build 130 "$OUT/build.log" "$PY" -m pip install -v --no-build-isolation --no-deps --no-index . \
+stage build 125 "$OUT/build.log" "$PY" -m pip install -v --no-build-isolation --no-deps --no-index . \
   || { tail -30 "$OUT/build.log"; exit 1; }
 "$PY" -P -c "import swap_optimizer as so; assert so.built_with_cuda(), 'no CUDA kernels in this build'; print('installed build:', so._C.__file__)" \
   || { echo "the installed build has no CUDA kernels"; exit 1; }
@@ -123,7 +123,7 @@ stage bench-bf16 35 "$OUT/bench.log" "$PY" -P -m swap_optimizer.bench "${BENCH[@
 # 350m fp32 (2.8 GB of state each way), batch 8 x 1024 tokens; resident,
 # swapped and overlapped, each timed over steps back to back.
 OVERLAP=(--device cuda --preset 350m --batch-size 8 --swap-times 8 --num-arenas 3 --warmup 1 --repeats 10)
-stage bench-overlap 35 "$OUT/bench.log" "$PY" -P -m swap_optimizer.bench "${OVERLAP[@]}" --overlap \
+stage bench-overlap 40 "$OUT/bench.log" "$PY" -P -m swap_optimizer.bench "${OVERLAP[@]}" --overlap \
   --json "$OUT/bench_overlap.json" --timeline "$OUT/timeline_overlap.png"
 
 "$PY" - "$OUT" <<'PYEOF' | tee "$OUT/summary.txt"

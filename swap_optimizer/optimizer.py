@@ -692,10 +692,10 @@ class SwapOptimizer(torch.optim.Optimizer):
                                getattr(self, "found_inf", None), deferred=deferred)
         finally:
             self._stepping = False
-            # A stopped step leaves each param and its master consistent too. A
-            # deferred one may still write params (a strided one's copy bumps
-            # its version): wait() notes them once it has finished.
-            if stepped and self._overlap is None:
+            # A stopped step leaves each param and its master consistent too.
+            # (The step bumps no version counter, deferred or not: any later
+            # bump is a write made outside step().)
+            if stepped:
                 self._note_param_versions()
         return loss
 
@@ -710,12 +710,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         next step() and zero_grad(set_to_none=False) wait by themselves.
         Without overlap_forward it does nothing."""
         runtime = self.__dict__.get("_runtime")
-        if self.__dict__.get("_overlap") is None or runtime is None or not runtime.has_deferred_step():
-            return
-        try:
-            runtime.wait_step()
-        finally:  # also after a failure: its params are each wholly old or new
-            self._note_param_versions()
+        if self.__dict__.get("_overlap") is not None and runtime is not None:
+            runtime.wait_step()  # CUDA: also when a wait on another stream finished the step
 
     def _wait_for_forward(self, block: Optional[int]) -> None:
         """A forward pre-hook: the model's entry (block None) or a block waits
@@ -733,12 +729,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             return self.wait()
         position = self._overlap.position_for(block)
         if position >= 0:
-            try:
-                runtime.wait_ready(position)
-            except BaseException:
-                if not runtime.has_deferred_step():  # it raised what stopped the step, which is over
-                    self._note_param_versions()
-                raise
+            runtime.wait_ready(position)
 
     @_on_the_optimizer_itself
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102  (torch.optim API)

@@ -141,8 +141,11 @@ class ForwardOverlap:
             if owner is not None:
                 owner.wait()
 
-        self._handles = [model.register_forward_pre_hook(wait_at_entry)]
-        self._handles += [block.register_forward_pre_hook(make_block_hook(i)) for i, block in enumerate(self.blocks)]
+        # Prepended: pre-hooks already there (pruning, weight_norm, a user's)
+        # may read the params.
+        self._handles = [model.register_forward_pre_hook(wait_at_entry, prepend=True)]
+        self._handles += [block.register_forward_pre_hook(make_block_hook(i), prepend=True)
+                          for i, block in enumerate(self.blocks)]
         @torch.compiler.disable
         def wait_before_load(module, *args):
             owner = itself()

@@ -432,10 +432,11 @@ def test_cuda_graph_capture_of_a_waiting_forward_is_refused():
     model = build(device)
     optimizer = make_optimizer(model, True, device)
     train(model, optimizer, 1, device, "plain")
+    tokens = tokens_for(0, device)  # made outside the capture (a host-to-device copy syncs)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="call optimizer.wait\\(\\) before capturing"):
         with torch.cuda.graph(graph):
-            loss_of(model, tokens_for(0, device))
+            loss_of(model, tokens)
     optimizer.wait()
 
 
@@ -474,3 +475,23 @@ def test_a_fault_inside_a_cut_param_of_a_deferred_step_tears_it_and_says_so():
         optimizer.load_state_dict(checkpoint)
         assert optimizer._runtime.torn_params() == []
     train(model, optimizer, 1, device, "plain")
+
+
+@pytest.mark.parametrize("fields", [dict(kahan_summation=True), dict(master_weights=True, state_dtype=torch.float32)],
+                         ids=["kahan", "master"])
+def test_16bit_params_follow_outside_writes_as_without_overlap(fields):
+    """bf16 params with Kahan buffers or fp32 masters: the deferred step bumps
+    no version counter, so a write made outside step() (here the model's
+    load_state_dict between steps) is followed exactly as without overlap."""
+    device = torch.device("cpu")
+    runs = []
+    for overlap in (False, True):
+        model = build(device).to(torch.bfloat16)
+        optimizer = make_optimizer(model, overlap, device, **fields)
+        logged = train(model, optimizer, 2, device, "plain")
+        edited = {name: (t * 0.5 if t.is_floating_point() else t) for name, t in model.state_dict().items()}
+        model.load_state_dict(edited)
+        logged += train(model, optimizer, 2, device, "plain")
+        runs.append((logged, snapshot(model, optimizer)))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert_bitwise(runs[0][1], runs[1][1])

@@ -11,7 +11,9 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -293,6 +295,11 @@ class SwapRuntime::Step final : public BatchWork {
 
   void call_op(const BatchPlan& plan, int64_t begin, int64_t end, const at::Tensor& arena,
                const at::Tensor& layout, const PackedUpdateArgs& args) {
+    // Below autograd and ADInplaceOrView: the step bumps no param's version
+    // counter (the op never did; the write-back of a strided param would), so
+    // the Python layer can take any bump for a write made outside step(),
+    // also while a deferred step runs.
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
     std::vector<at::Tensor> params, grads;
     std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (param, contiguous copy)
     for (int64_t k = begin; k < end; ++k) {
@@ -662,22 +669,30 @@ void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
   transport_->open_ready(static_cast<int64_t>(order_.size()));
   if (device_.is_cpu()) {
     if (!update_thread_) update_thread_ = std::make_unique<WorkerQueue>();
-    deferred_ = work;
     // The pipeline runs on the update thread with this thread's thread-local
     // state (grad mode, dispatch keys), below Python's dispatch keys: a
     // Python mode active here must not make the update thread need the GIL,
     // which a waiting caller may hold. Its failure is kept for the next wait.
-    deferred_ticket_ = update_thread_->submit([this, work, state = at::ThreadLocalState()] {
+    // The caller's intra-op thread count too (OpenMP's is per thread).
+    auto job = [this, work, state = at::ThreadLocalState(), threads = at::get_num_threads()] {
       const at::ThreadLocalStateGuard guard(state);
       const c10::impl::ExcludeDispatchKeyGuard no_python(
           c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+      if (at::get_num_threads() != threads) at::set_num_threads(threads);
       try {
         run_pipeline(*transport_, *work, slot_of_batch_);
       } catch (...) {
         work->failure = std::current_exception();
       }
       transport_->release_ready();  // wakes every waiter, also after a failure
-    });
+    };
+    try {
+      deferred_ticket_ = update_thread_->submit(std::move(job));
+    } catch (...) {
+      transport_->release_ready();
+      throw;
+    }
+    deferred_ = work;
     return;
   }
   // CUDA: enqueued now on the update stream, which waits for the caller's
@@ -722,11 +737,16 @@ void SwapRuntime::finish_deferred() {
 
 void SwapRuntime::wait_ready(int64_t position) {
   const std::lock_guard<std::mutex> lock(step_mutex_);
-  if (!deferred_) return;
   TORCH_CHECK_INDEX(position >= 0 && position < static_cast<int64_t>(order_.size()), "SwapRuntime: no batch at ",
                     "position ", position, " of ", order_.size());
   const c10::DeviceGuard guard(device_);
-  if (transport_->wait_ready(position)) finish_deferred();  // the step has ended: report how
+  if (!deferred_) {
+    // Finished by a wait on another stream: on CUDA this one must still wait
+    // for the step's end (a no-op on the host, where finishing joined it).
+    if (step_pending_) transport_->wait(Queue::kCaller, kStepEndMarker);
+    return;
+  }
+  if (transport_->wait_ready(position)) finish_deferred();  // the step stopped short of it: raise why
 }
 
 bool SwapRuntime::has_deferred_step() const {
@@ -736,10 +756,11 @@ bool SwapRuntime::has_deferred_step() const {
 
 void SwapRuntime::wait_step() {
   const std::lock_guard<std::mutex> lock(step_mutex_);
-  if (!deferred_) return;
   const c10::DeviceGuard guard(device_);
   finish_deferred();
-  transport_->wait(Queue::kCaller, kStepEndMarker);  // CUDA: a stream wait; host: the step has run
+  // CUDA: a stream wait, also when another stream's wait finished the step;
+  // host: the step has run.
+  if (step_pending_) transport_->wait(Queue::kCaller, kStepEndMarker);
 }
 
 void SwapRuntime::enable_timeline(bool enabled) {

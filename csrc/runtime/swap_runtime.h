@@ -136,8 +136,9 @@ class SwapRuntime {
 
   // The caller's queue waits for the batch at pipeline `position` of a
   // deferred step (CUDA: a stream wait, no host sync; host: blocks), or for
-  // the whole step. Either raises what stopped the step, once. No-ops when no
-  // deferred step is in flight.
+  // the whole step. Either raises what stopped the step, once. Once the step
+  // is finished (another stream waited), CUDA waits for its end instead; the
+  // host backend has nothing left to wait for.
   void wait_ready(int64_t position);
   void wait_step();
   bool has_deferred_step() const;  // a deferred step not yet waited for

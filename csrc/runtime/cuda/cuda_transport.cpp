@@ -9,13 +9,29 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <random>
+#include <unordered_map>
 #include <thread>
 #include <vector>
 
 namespace swap_optimizer::runtime {
 namespace {
+
+// The update stream of deferred steps on `device`: made once per process and
+// never destroyed. Not one of torch's pool streams, which a user's side stream
+// may share; not one per runtime, because the caching allocator records events
+// on it for record_stream'ed grads freed long after their runtime is gone.
+c10::cuda::CUDAStream update_stream(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::unordered_map<c10::DeviceIndex, cudaStream_t> streams;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const c10::cuda::CUDAGuard guard(device);
+  cudaStream_t& stream = streams[device];
+  if (stream == nullptr) C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return c10::cuda::getStreamFromExternal(stream, device);
+}
 
 class CudaTransport final : public Transport {
  public:
@@ -74,11 +90,7 @@ class CudaTransport final : public Transport {
   void host_wait(int marker) override { C10_CUDA_CHECK(cudaEventSynchronize(events_[marker])); }
 
   void enter_update_queue() override {
-    if (!update_) {  // a stream of its own: one of torch's pool streams may also be a user's side stream
-      cudaStream_t stream = nullptr;
-      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      update_ = c10::cuda::getStreamFromExternal(stream, device_);
-    }
+    if (!update_) update_ = update_stream(device_);
     caller_ = c10::cuda::getCurrentCUDAStream(device_);
     C10_CUDA_CHECK(cudaEventRecord(caller_event_, caller_->stream()));
     C10_CUDA_CHECK(cudaStreamWaitEvent(update_->stream(), caller_event_, 0));
@@ -199,8 +211,6 @@ class CudaTransport final : public Transport {
     destroy_stamps();
     if (caller_event_ != nullptr) C10_CUDA_IGNORE_ERROR(cudaEventDestroy(caller_event_));
     caller_event_ = nullptr;
-    if (update_) C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(update_->stream()));
-    update_.reset();
     if (to_host_ != nullptr && to_host_ != to_device_) C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(to_host_));
     if (to_device_ != nullptr) C10_CUDA_IGNORE_ERROR(cudaStreamDestroy(to_device_));
     to_host_ = to_device_ = nullptr;
@@ -215,7 +225,7 @@ class CudaTransport final : public Transport {
   cudaStream_t to_host_ = nullptr;
   cudaStream_t compute_ = nullptr;
   std::vector<cudaEvent_t> events_;
-  // Deferred steps: the update stream (made at the first, destroyed here), the
+  // Deferred steps: the update stream (update_stream()), the
   // caller's stream while a step is enqueued, the event the update stream
   // waits on, and one readiness event per pipeline position.
   std::optional<c10::cuda::CUDAStream> update_;
