@@ -40,7 +40,7 @@ def _is_compiled(module: nn.Module) -> bool:
 
 def has_compiled_part(model: nn.Module) -> bool:
     """The model or any module in it is compiled (per-block compile too)."""
-    return _is_compiled(model) or any(_is_compiled(m) for m in model.modules())
+    return any(_is_compiled(m) for m in model.modules())
 
 
 def _is_container(module: nn.Module) -> bool:

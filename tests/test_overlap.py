@@ -495,3 +495,12 @@ def test_16bit_params_follow_outside_writes_as_without_overlap(fields):
         runs.append((logged, snapshot(model, optimizer)))
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
     assert_bitwise(runs[0][1], runs[1][1])
+
+
+def test_a_model_with_a_compiled_block_waits_once_at_entry():
+    """Hooks added after a block's first compiled call would be skipped, so a
+    model with any compiled module gets the whole-step wait at its entry."""
+    model = build(torch.device("cpu"))
+    model.encoder.layers[1].compile(backend="aot_eager")
+    optimizer = so.SwapOptimizer(torch.optim.AdamW(model.parameters()), model=model, overlap_forward=True)
+    assert optimizer._overlap.compiled and optimizer._overlap.blocks == []
