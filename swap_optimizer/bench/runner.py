@@ -178,11 +178,10 @@ def record_timeline(model: GPT, optimizer: SwapOptimizer, tokens: torch.Tensor, 
     step() began."""
     optimizer._set_timeline(True)
     blocks, handles = [], []
-    clock = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else None
 
     def mark():
         if cuda:
-            event = clock()
+            event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
         return time.perf_counter()
@@ -192,8 +191,7 @@ def record_timeline(model: GPT, optimizer: SwapOptimizer, tokens: torch.Tensor, 
         handles.append(block.register_forward_hook(lambda m, a, o, i=index: blocks[-1].__setitem__(2, mark())))
     try:
         optimizer.zero_grad(set_to_none=True)
-        blocks.clear()
-        model.loss(tokens).backward()
+        model.loss(tokens).backward()  # the grads of the step below; its blocks are not plotted
         if cuda:
             torch.cuda.synchronize()
         blocks.clear()
