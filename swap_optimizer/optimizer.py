@@ -15,7 +15,7 @@ import torch
 from . import _C
 from .compact import FORMAT_KEY, MIN_QUANTIZED_NUMEL, MOMENTS, code_map, dequantize, quantize, state_format
 from .config import SwapOptimizerConfig
-from .overlap import ForwardOverlap
+from .overlap import ForwardOverlap, capturing
 
 try:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -308,9 +308,10 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[SwapOptimizerConfig] = None, *,
                  model: Optional[torch.nn.Module] = None, **fields: Any) -> None:
-        """model: with overlap_forward=True, the module whose forward uses the
-        params; its blocks get forward pre-hooks that wait for their params'
-        updates (see swap_optimizer.overlap)."""
+        """model: with overlap_forward=True, the module whose calls use the
+        params (the one the training loop calls, or a holder of it); its
+        forward then waits for each param's update where it first reads it
+        (see swap_optimizer.overlap)."""
         self.__dict__["_itself_ref"] = weakref.ref(self)
         self.config = SwapOptimizerConfig.from_fields(config, fields)
         _check_optimizer(optimizer)
@@ -362,10 +363,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         """param -> its state; reading it waits for the last step's copies to land."""
         if self._itself is not self:  # through a forwarding wrapper
             return self._itself.state
-        runtime = self.__dict__.get("_runtime")
-        if runtime is not None:
-            self.wait()
-            runtime.synchronize()
+        if self.__dict__.get("_runtime") is not None:
+            self._synchronize()
         return self.__dict__["_state"]
 
     @state.setter
@@ -483,7 +482,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         state.update((p, dict(entry)) for p, entry, shown in zip(params, self._entries, self._shown) if shown)
         if self._overlap is not None:
             _check_overlap_params(params)
-            self._overlap.lay_out(runtime, params)
+            self._overlap.lay_out(params)
         self._runtime = runtime
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._param_ids = [id(p) for p in params]
@@ -652,7 +651,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):  # noqa: D102  (torch.optim API)
         self._refuse_inside_step("step")
         self._refuse_if_torn("step")  # before the closure runs or anything is written
-        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(self._device):
             raise RuntimeError("SwapOptimizer.step() cannot be captured in a CUDA graph: it copies the state "
                                "between host and device through its own streams. Capture the forward and backward "
                                "only, and call step() outside the graph")
@@ -661,6 +660,9 @@ class SwapOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.wait()  # after the closure, whose forward overlapped the last step
+        # Ends the pass since the last step (a probe's record becomes the plan);
+        # may refuse grads whose forward could not wait for that step.
+        deferred = self._overlap is not None and self._overlap.before_step()
         self._stepping = True  # from here a signal handler may read, not change, the store
         stepped = False
         try:
@@ -687,9 +689,10 @@ class SwapOptimizer(torch.optim.Optimizer):
                     self._shown[i] = True
                     state[p] = dict(self._entries[i])
             stepped = True
-            deferred = self._overlap is not None
             self._runtime.step([_local(p) for p in params], grads, group_args, getattr(self, "grad_scale", None),
                                getattr(self, "found_inf", None), deferred=deferred)
+            if self._overlap is not None:
+                self._overlap.after_step(deferred, self._runtime, grads)
         finally:
             self._stepping = False
             # A stopped step leaves each param and its master consistent too.
@@ -701,35 +704,33 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     @_on_the_optimizer_itself
     def wait(self) -> None:
-        """Waits for the step that overlap_forward=True left running: call it
-        before reading or writing params outside the model's forward (logging
-        a weight norm, an EMA copy, an evaluation with another module). On CUDA
-        the current stream waits (no host sync); on the CPU it blocks. Raises
-        what stopped that step. state, state_dict(), load_state_dict(),
-        add_param_group(), the model's state_dict() and load_state_dict(), the
-        next step() and zero_grad(set_to_none=False) wait by themselves.
+        """Waits for the step that overlap_forward=True left running. Reads and
+        writes of params wait by themselves (the forward where it first reads
+        each param, anything else on the thread that called step() at the
+        op); call it for code that reads them where nothing can see, such as
+        another thread or a raw pointer. On CUDA the current stream waits (no
+        host sync); on the CPU it blocks. Raises what stopped that step.
         Without overlap_forward it does nothing."""
         runtime = self.__dict__.get("_runtime")
-        if self.__dict__.get("_overlap") is not None and runtime is not None:
+        overlap = self.__dict__.get("_overlap")
+        if overlap is not None and runtime is not None:
+            overlap.wait_all()
             runtime.wait_step()  # CUDA: also when a wait on another stream finished the step
 
-    def _wait_for_forward(self, block: Optional[int]) -> None:
-        """A forward pre-hook: the model's entry (block None) or a block waits
-        for the batches that hold its params. (The runtime knows whether a
-        step is pending: a Python flag could be cleared by a signal handler
-        between setting it and step().)"""
-        runtime = self.__dict__.get("_runtime")
-        if runtime is None:
-            return
-        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing() and runtime.has_deferred_step():
-            raise RuntimeError("SwapOptimizer(overlap_forward=True): the model's forward is being captured in a CUDA "
-                               "graph while a step is still running; call optimizer.wait() before capturing (CUDA "
-                               "graphs with overlap_forward are not supported yet)")
-        if self._overlap.compiled:
-            return self.wait()
-        position = self._overlap.position_for(block)
-        if position >= 0:
-            runtime.wait_ready(position)
+    @_on_the_optimizer_itself
+    def synchronize(self) -> None:
+        """Blocks the host until the last step has finished on the device and
+        its state has landed in host memory. Before capturing a CUDA graph
+        after an overlapped step, this proves to SwapOptimizer that the step
+        ended (a stream wait such as wait() cannot)."""
+        if self.__dict__.get("_runtime") is not None:
+            self._synchronize()
+
+    def _synchronize(self) -> None:
+        self.wait()
+        self._runtime.synchronize()
+        if self._overlap is not None:
+            self._overlap.unproven = False
 
     @_on_the_optimizer_itself
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102  (torch.optim API)

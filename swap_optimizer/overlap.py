@@ -1,91 +1,249 @@
-"""Overlapping a deferred step with the next forward: which params each of the
-model's blocks needs, and the hooks that wait for them.
+"""Overlapping a deferred step with the next forward: where each read of a
+param waits for that param's update (docs/design.md, "Overlap with the
+forward").
 
-A deferred step's updates do not bump a param's version counter, so a read
-that does not wait would be silent. These rules are the whole safety story
-(docs/design.md, "Overlap with the forward"):
+A deferred step's updates bump no version counter, so a read that does not
+wait would be silent. The waits follow what the model does, not how it is
+built:
 
-- Blocks are the children of the model's ModuleLists (the outermost ones), or
-  the model's top-level children when it has none. A block's forward pre-hook
-  waits for every batch that holds a param of its whole subtree, so a param a
-  block uses directly (MultiheadAttention's out_proj.weight, the
-  TransformerEncoderLayer fast path that skips child hooks) is covered.
-- A pre-hook on the model itself waits for the params outside every block
-  (embeddings, a head whose weight a fused loss reads) before anything runs.
-- A compiled model (torch.compile, or any module of it compiled) gets one
-  whole-step wait at its entry: hooks inside a compiled region may be
-  skipped, so none are relied on there.
-- Everything else that reads or writes params or grads outside the forward
-  waits through SwapOptimizer: wait(), state, state_dict(), load_state_dict(),
-  add_param_group(), the model's state_dict() and load_state_dict(), the next
-  step() (after its closure), zero_grad(set_to_none=False).
+- The probe. The first overlapped step after construction or a rebuild runs
+  whole, inside step(). Until the next step(), a TorchFunctionMode records
+  which params are read or written (by storage: reads through .data,
+  .detach(), a view or an alias made earlier count, under no_grad too) and,
+  through global module hooks, which modules of `model` are called, in order.
+- The plan. Each param waits at the last module call before its first read
+  inside a module call. Two static rules add to that: a call of a block
+  (children of ModuleLists and plain nn.Sequentials) waits for its whole
+  subtree, and a call of any module waits for its direct params. Batches are
+  ordered by where they are first needed; params whose grads appeared
+  although no read of them was seen finish inside step(). The last call of
+  the probe's sequence waits for the rest.
+- Every overlapped pass. The calls are compared with the probe's sequence;
+  at the first difference (layer drop, routing, an eval path) the whole step
+  is waited for there. Nothing read before was stale, as the prefix matched.
+- Outside the model's calls (depth 0 on the thread that called step()), the
+  same TorchFunctionMode guards every op while the step is pending: an op
+  that touches a param, or a grad the step reads, waits for its position;
+  backward() waits for the whole step (it may write grads the step reads).
+  EMA updates, norm logging, copy.deepcopy(model) and torch.save(model) wait
+  by themselves.
+- Compiled models: a torch.compile wrapper's call, or a model with a module
+  compiled in place, waits for the whole step at its first call; a model
+  compiled in place at its root runs no eager hook at all, so its steps
+  complete inside step(). A CUDA graph capture of the forward switches
+  overlap off for later steps (replays run no hooks).
+
+Nothing is attached to the model: the hooks are global and the model stays
+picklable; a deepcopy or a pickled copy has other params and modules, so it
+never waits for this optimizer's step or keeps it alive.
 """
 
 from __future__ import annotations
 
+import bisect
+import threading
+import warnings
 import weakref
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import DeviceContext
+
+# Methods that read only metadata: they never need a param's update. Attribute
+# getters and setters (p.grad, p.data, p.shape, p.grad = None) are left out by
+# kind: an alias they return is caught when it is used (lookups are by storage).
+_METADATA_METHODS = frozenset({
+    "size", "stride", "dim", "ndimension", "numel", "nelement", "storage_offset", "is_contiguous",
+    "element_size", "is_floating_point", "is_complex", "is_signed", "get_device", "__len__", "__hash__",
+    "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "_is_view",
+    "is_pinned", "is_shared", "__format__", "__repr__", "_set_grad_enabled",
+})
+_ATTRIBUTE_ACCESS = frozenset({"__get__", "__set__", "__delete__"})
+_BACKWARD_FUNCTIONS = frozenset({"backward", "grad"})  # Tensor.backward, torch.autograd.backward / grad
 
 
-def _is_compiled(module: nn.Module) -> bool:
-    """torch.compile(module) (an OptimizedModule) or module.compile()."""
-    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    optimized = getattr(optimized, "OptimizedModule", None)
-    return (optimized is not None and isinstance(module, optimized)) or \
-        getattr(module, "_compiled_call_impl", None) is not None
+def _needs_data(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name not in _METADATA_METHODS and name not in _ATTRIBUTE_ACCESS
 
 
-def has_compiled_part(model: nn.Module) -> bool:
-    """The model or any module in it is compiled (per-block compile too)."""
-    return any(_is_compiled(m) for m in model.modules())
+def _tensors_in(args, kwargs) -> Iterator[torch.Tensor]:
+    """The tensors among an op's arguments, also inside lists and tuples
+    (foreach ops, torch.cat, RNNs' flat weights)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
+
+
+def _byte_span(tensor: torch.Tensor) -> Optional[tuple[int, int]]:
+    """[first, last + 1) bytes a tensor's elements occupy; None when it has
+    no storage to read (meta, sparse, empty, tensor subclasses without one)."""
+    if tensor.layout != torch.strided or tensor.is_meta or tensor.numel() == 0:
+        return None
+    try:
+        begin = tensor.data_ptr()
+    except RuntimeError:
+        return None
+    extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
+    return begin, begin + extent * tensor.element_size()
+
+
+class _SpanIndex:
+    """Which of some tensors (by bytes, on one device) another tensor touches."""
+
+    def __init__(self, tagged: list[tuple[torch.Tensor, int]], device: torch.device):
+        spans = sorted((*span, tag) for tensor, tag in tagged if (span := _byte_span(tensor)) is not None)
+        self._device_type = device.type
+        self._begins = [begin for begin, _, _ in spans]
+        self._ends = [end for _, end, _ in spans]
+        self._tags = [tag for _, _, tag in spans]
+        self._reach = []  # the greatest end among spans[0..i]
+        for end in self._ends:
+            self._reach.append(max(end, self._reach[-1]) if self._reach else end)
+
+    def touched(self, tensor: torch.Tensor) -> list[int]:
+        if not self._begins or tensor.device.type != self._device_type:
+            return []
+        span = _byte_span(tensor)
+        if span is None:
+            return []
+        begin, end = span
+        tags = []
+        i = bisect.bisect_left(self._begins, end) - 1
+        while i >= 0 and self._reach[i] > begin:
+            if self._ends[i] > begin:
+                tags.append(self._tags[i])
+            i -= 1
+        return tags
+
+
+def _insert_mode(mode: TorchFunctionMode) -> None:
+    """Pushes `mode` at the bottom of this thread's torch function mode stack
+    (above torch.device contexts, which must stay at the bottom): modes the
+    user enters and leaves meanwhile then pop their own, not this one."""
+    stack = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    stack.reverse()
+    devices = 0
+    while devices < len(stack) and isinstance(stack[devices], DeviceContext):
+        devices += 1
+    for entry in stack[:devices] + [mode] + stack[devices:]:
+        torch._C._push_on_torch_function_stack(entry)
+
+
+def _remove_mode(mode: TorchFunctionMode) -> None:
+    """Takes `mode` out of this thread's stack, wherever it is (if it is)."""
+    above = []
+    for _ in range(torch._C._len_torch_function_stack()):
+        entry = torch._C._pop_torch_function_stack()
+        if entry is mode:
+            break
+        above.append(entry)
+    for entry in reversed(above):
+        torch._C._push_on_torch_function_stack(entry)
+
+
+class _ReadWatch(TorchFunctionMode):
+    """Sees every torch op on the thread that stepped: records reads during
+    the probe, and makes ops outside the model's calls wait while a step is
+    pending."""
+
+    def __init__(self, overlap: "ForwardOverlap"):
+        super().__init__()
+        self._overlap = weakref.ref(overlap)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        overlap = self._overlap()
+        # Under torch.compile this is traced, not run: compiled regions are
+        # outside what the watch can see (docs/design.md, limits).
+        if overlap is None or torch.compiler.is_compiling():
+            return func(*args, **kwargs)
+        # While this runs (func too: backward() runs hooks), torch holds this
+        # mode off the stack and puts it back after: the overlap must neither
+        # take it off nor push it again meanwhile.
+        owner = threading.get_ident() == overlap.owner
+        overlap.inside_watch += owner
+        try:
+            if _needs_data(func):
+                overlap.on_op(func, args, kwargs)
+            return func(*args, **kwargs)
+        finally:
+            overlap.inside_watch -= owner
+
+
+def _is_plain_sequential(module: nn.Module) -> bool:
+    """nn.Sequential or a subclass that keeps its forward: it calls its
+    children in order, and a forward may iterate it without calling it."""
+    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
 
 
 def _is_container(module: nn.Module) -> bool:
-    """A module that is never called itself (its forward is Module's own), so
-    hooks on it never run: ModuleList, ModuleDict, a plain holder."""
-    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) or type(module).forward is nn.Module.forward
+    """A module whose children are the blocks: ModuleList, ModuleDict, a plain
+    nn.Sequential, or a holder whose forward is Module's own (never called)."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) or _is_plain_sequential(module) or \
+        type(module).forward is nn.Module.forward
 
 
 def _called_blocks(module: nn.Module) -> list[nn.Module]:
-    """module, or, when it is a container, the called modules below it."""
+    """module, or, when it is a container, the blocks below it."""
     if not _is_container(module):
         return [module]
     return [block for child in module.children() for block in _called_blocks(child)]
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of the model's outermost ModuleLists, in order (a child
-    that is itself a container, such as the inner list of
-    ModuleList([ModuleList([attn, ff]), ...]), gives its called modules);
-    else the model's top-level children."""
+    """The children of the model's outermost ModuleLists and plain
+    nn.Sequentials, in order (containers among them give their blocks); else
+    the model's top-level children. A block's call waits for its whole
+    subtree's params (MultiheadAttention reads out_proj.weight itself)."""
+    root = model
+    while isinstance(root, nn.parallel.DistributedDataParallel):  # a wrapper of one module
+        root = root.module
     blocks: list[nn.Module] = []
+    if isinstance(root, nn.ModuleList) or _is_plain_sequential(root):
+        blocks = _called_blocks(root)
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
-            if isinstance(child, nn.ModuleList):
+            if isinstance(child, nn.ModuleList) or _is_plain_sequential(child):
                 blocks.extend(block for item in child.children() for block in _called_blocks(item))
             else:
                 visit(child)
 
-    visit(model)
     if not blocks:
-        root = model
-        while isinstance(root, nn.parallel.DistributedDataParallel):  # a wrapper of one module
-            root = root.module
+        visit(root)
+    if not blocks:
         blocks = [block for child in root.children() for block in _called_blocks(child)]
     seen, unique = set(), []
-    for block in blocks:  # a block listed in two ModuleLists waits once
+    for block in blocks:  # a block listed twice is one block
         if id(block) not in seen:
             seen.add(id(block))
             unique.append(block)
     return unique
 
 
+def _compiled_in_place(module: nn.Module) -> bool:
+    """module.compile(): its calls go straight into compiled code."""
+    return module.__dict__.get("_compiled_call_impl") is not None
+
+
+def _wrapped_module(module: nn.Module) -> Optional[nn.Module]:
+    """The module a torch.compile wrapper (OptimizedModule) runs, if it is one."""
+    inner = module.__dict__.get("_modules", {}).get("_orig_mod")
+    return inner if isinstance(inner, nn.Module) else None
+
+
 def check_model(model: nn.Module) -> None:
-    """Refuses wrappers that read every param before any block's hook runs."""
+    """Refuses wrappers that read every param before any of its calls."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"SwapOptimizer(overlap_forward=True): model must be the torch.nn.Module whose forward "
+                        f"uses the params, got {type(model).__name__}")
     for module in model.modules():
         if isinstance(module, nn.DataParallel):
             raise ValueError("SwapOptimizer(overlap_forward=True): nn.DataParallel copies every param to its devices "
@@ -97,76 +255,124 @@ def check_model(model: nn.Module) -> None:
                              "overlap_forward=False with FSDP")
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of `device` (the params' device, which need
+    not be the current one) is capturing a CUDA graph. No CUDA sync or query."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(index):
+        return torch.cuda.is_current_stream_capturing()
+
+
+class _Plan:
+    """Where an overlapped pass waits, from the probe: the expected sequence of
+    module calls, and per call the pipeline position that must be ready."""
+
+    def __init__(self, modules: list[nn.Module], sequence: list[nn.Module], wait_at: list[int],
+                 step_position: int, compiled: bool):
+        self.modules = modules
+        self.module_ids = {id(m) for m in modules}
+        self.sequence = sequence
+        self.wait_at = wait_at
+        self.step_position = step_position
+        self.compiled = compiled
+
+
+class _Watch:
+    """The global module hooks, installed while any overlap lives. They do
+    nothing for modules of no overlapping optimizer's model."""
+
+    overlaps: "weakref.WeakSet[ForwardOverlap]" = weakref.WeakSet()
+    handles: list = []
+
+    @classmethod
+    def register(cls, overlap: "ForwardOverlap") -> None:
+        cls.overlaps.add(overlap)
+        if not cls.handles:
+            register = nn.modules.module
+            cls.handles = [register.register_module_forward_pre_hook(_before_call),
+                           register.register_module_forward_hook(_after_call, always_call=True)]
+            # torch warns on each OptimizedModule call while global hooks exist
+            # ("hooks fire an extra time"): ours expect that call.
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+
+    @classmethod
+    def unregister(cls, overlap: "ForwardOverlap") -> None:
+        overlap.finish_pass()  # an optimizer dropped mid-pass leaves no watch behind on this thread
+        cls.overlaps.discard(overlap)
+        if not cls.overlaps:
+            for handle in cls.handles:
+                handle.remove()
+            cls.handles = []
+
+
+def _before_call(module, args):
+    if torch.compiler.is_compiling():  # traced into a compiled region: compiled calls wait at their entry
+        return None
+    for overlap in list(_Watch.overlaps):
+        overlap.on_call(module)
+    return None
+
+
+def _after_call(module, args, output):
+    if torch.compiler.is_compiling():
+        return None
+    for overlap in list(_Watch.overlaps):
+        overlap.on_return(module)
+    return None
+
+
+_UNRANKED = 1 << 62
+
+
 class ForwardOverlap:
-    """The hooks that make `model`'s forward wait for a SwapOptimizer's
-    deferred step, block by block, and the positions they wait for."""
+    """The waits of one SwapOptimizer(overlap_forward=True): its probe, plan
+    and the state of the pass in progress (from a step() to the next)."""
 
     def __init__(self, optimizer, model: nn.Module, params: list[torch.Tensor]):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"SwapOptimizer(overlap_forward=True): model must be the torch.nn.Module whose forward "
-                            f"uses the params, got {type(model).__name__}")
         check_model(model)
-        self.compiled = has_compiled_part(model)
-        self.blocks = [] if self.compiled else find_blocks(model)
-        self._ranks_by_id = {}
-        for rank, block in enumerate(self.blocks):
-            for p in block.parameters():
-                self._ranks_by_id.setdefault(id(p), rank)  # a param shared by blocks: the first needs it
+        self.model = model
+        self._optimizer = weakref.ref(optimizer)  # the model never keeps the optimizer alive
         self._in_model = {id(p) for p in model.parameters()}
         self._check_in_model(params)
-        self._block_params = [{id(p) for p in block.parameters()} for block in self.blocks]
-        self.positions: list[int] = []  # per block: the last pipeline position it needs (-1: none)
-        self.entry_position = -1        # the model's own: params outside every block
-        itself = weakref.ref(optimizer)  # hooks must not keep the optimizer (and its store) alive
-        # Hooks may run inside a compiled region (a model compiled after this):
-        # torch.compiler.disable makes each a graph break that runs eagerly.
+        self.params = list(params)
+        self.device = params[0].device if params else torch.device("cpu")
+        self.plan: Optional[_Plan] = None
+        self.probe_warning: Optional[str] = None  # the last probe's note on reads it could not see
+        self.graphed = False     # a CUDA graph captured a forward: later steps complete inside step()
+        self.unproven = False    # CUDA: a deferred step no host sync has seen end
+        self.root_compiled = _compiled_in_place(model)
+        # Tests only (negative controls): params whose waits are left out, ops
+        # outside the forward left unwatched, no wait where calls diverge.
+        self.knocked_out: set[int] = set()
+        self.ops_unguarded = False
+        self.divergence_unguarded = False
+        self._param_positions: list[int] = []  # per param: the last pipeline position holding it
+        self._last_step_deferred = False
+        self._set_modules()
+        self._lock = threading.RLock()
+        self._watch_on_stack = False  # the watch is on the stepping thread's mode stack
+        self.inside_watch = 0         # the watch's own call is running on the owner (torch keeps it off the stack)
+        self._reset_pass()
+        self._watch = _ReadWatch(self)
+        _Watch.register(self)
+        self._finalizer = weakref.finalize(optimizer, _Watch.unregister, self)
 
-        @torch.compiler.disable
-        def wait_at_entry(module, args):
-            owner = itself()
-            if owner is not None:
-                owner._wait_for_forward(None)
+    def _reset_pass(self) -> None:
+        self.pending = False        # positions of a deferred step may still be running
+        self.probing = False
+        self.owner = None           # the thread that called step()
+        self._depth = 0             # open calls of the model's modules on that thread
+        self._index = 0             # the next expected call of the plan's sequence
+        self._waited = -1           # every position up to this one is ready
+        self._last_position = -1
+        self._spans: Optional[_SpanIndex] = None
+        self._positions: list[int] = []  # per span tag: the position it waits for
 
-        def make_block_hook(index: int):
-            @torch.compiler.disable
-            def wait_for_block(module, args):
-                owner = itself()
-                if owner is not None:
-                    owner._wait_for_forward(index)
-            return wait_for_block
-
-        @torch.compiler.disable
-        def wait_before_state_dict(module, prefix, keep_vars):
-            owner = itself()
-            if owner is not None:
-                owner.wait()
-
-        # Prepended: pre-hooks already there (pruning, weight_norm, a user's)
-        # may read the params.
-        self._handles = [model.register_forward_pre_hook(wait_at_entry, prepend=True)]
-        self._handles += [block.register_forward_pre_hook(make_block_hook(i), prepend=True)
-                          for i, block in enumerate(self.blocks)]
-        @torch.compiler.disable
-        def wait_before_load(module, *args):
-            owner = itself()
-            if owner is not None:
-                owner.wait()
-
-        # On every module: model.layers[0].state_dict() reads params too, and
-        # loading writes them.
-        for module in model.modules():
-            self._handles.append(module.register_state_dict_pre_hook(wait_before_state_dict))
-            self._handles.append(module.register_load_state_dict_pre_hook(wait_before_load))
-        self._finalizer = weakref.finalize(optimizer, ForwardOverlap._remove, self._handles)
-
-    @staticmethod
-    def _remove(handles) -> None:
-        for handle in handles:
-            handle.remove()
-
-    def remove(self) -> None:
-        self._finalizer()
-
+    # ---------------------------------------------------------- structure
     def _check_in_model(self, params: list[torch.Tensor]) -> None:
         missing = [i for i, p in enumerate(params) if id(p) not in self._in_model]
         if missing:
@@ -175,24 +381,288 @@ class ForwardOverlap:
                              "for their update; pass the module whose forward uses every param as model=, or keep "
                              "those params in another optimizer")
 
-    def rank_of_params(self, params: list[torch.Tensor]) -> list[int]:
-        """Each param's block index (-1: outside every block, needed first)."""
-        return [self._ranks_by_id.get(id(p), -1) for p in params]
-
-    def lay_out(self, runtime, params: list[torch.Tensor]) -> None:
-        """Orders the runtime's batches by block and notes what each hook waits for."""
+    def lay_out(self, params: list[torch.Tensor]) -> None:
+        """A rebuilt store (new params or groups): probe again before overlapping."""
+        self._in_model = {id(p) for p in self.model.parameters()}
         self._check_in_model(params)
-        runtime.set_batch_order(self.rank_of_params(params))
+        self.params = list(params)
+        self._set_modules()
+        self.plan = None
+
+    def _set_modules(self, modules: Optional[list[nn.Module]] = None) -> None:
+        """The modules whose calls count: the model's (and torch.compile
+        wrappers of them, added once seen)."""
+        modules = list(self.model.modules()) if modules is None else modules
+        self._modules = {id(m) for m in modules}
+        self._wrappers = {id(m) for m in modules if _wrapped_module(m) is not None}
+
+    def _param_names(self, indices) -> str:
+        names = {id(p): name for name, p in self.model.named_parameters(remove_duplicate=False)}
+        return ", ".join(f"{i} ({names.get(id(self.params[i]), '?')})" for i in indices)
+
+    # ------------------------------------------------------- step() side
+    def before_step(self) -> bool:
+        """Ends the pass (after step()'s closure and wait) and decides whether
+        this step may be deferred. Raises when the last deferred step's
+        forward may have read params before their update."""
+        with self._lock:
+            probed = self.probing
+            self.finish_pass()
+            if probed:
+                self._settle_probe()
+            if _compiled_in_place(self.model) and not self.root_compiled:
+                self.root_compiled = True
+                if self._last_step_deferred:  # its forward ran no eager hook: nothing proves it waited
+                    self._last_step_deferred = False
+                    raise RuntimeError(
+                        "SwapOptimizer(overlap_forward=True): the model was compiled in place (model.compile()) "
+                        "after the optimizer was made, and its compiled forward ran no hook, so it may have read "
+                        "params before the last step's update: this step is refused, as its grads may be wrong. "
+                        "Zero the grads and run the forward and backward again; from now on this model's steps "
+                        "complete inside step(). To overlap with a compiled model, compile it with "
+                        "torch.compile(model) and call that (its call waits at entry)")
+            return self.plan is not None and not self.graphed and not self.root_compiled
+
+    def after_step(self, deferred: bool, runtime, grads: list[Optional[torch.Tensor]]) -> None:
+        """Starts the pass that runs until the next step(): overlapped, or the
+        probe after a whole step."""
+        with self._lock:
+            self._last_step_deferred = deferred
+            self._pop_watch()
+            self._reset_pass()
+            self.owner = threading.get_ident()
+            if deferred:
+                self._begin_overlapped(runtime, grads)
+            elif self.plan is None and not self.graphed and not self.root_compiled:
+                self._begin_probe()
+
+    def _begin_overlapped(self, runtime, grads) -> None:
+        plan = self.plan
+        self.pending = True
+        self.unproven = self.device.type == "cuda"
+        last = self._param_positions
+        self._last_position = max(last, default=-1)
+        tagged = [(p, i) for i, p in enumerate(self.params) if i not in self.knocked_out]
+        tagged += [(g, i) for i, g in enumerate(grads) if g is not None and i not in self.knocked_out]
+        self._spans = _SpanIndex(tagged, self.device)
+        self._positions = last
+        if plan.step_position >= 0:
+            self._wait_until(plan.step_position, runtime)
+        if self.pending:
+            self._push_watch()
+
+    def _begin_probe(self) -> None:
+        self.probing = True
+        self._set_modules()  # as the probe sees them
+        self._probe_calls: list[nn.Module] = []
+        self._probe_first_inside: dict[int, int] = {}
+        self._probe_read: set[int] = set()
+        self._probe_compiled = any(_compiled_in_place(m) for m in self.model.modules())
+        self._spans = _SpanIndex([(p, i) for i, p in enumerate(self.params)], self.device)
+        self._push_watch()
+
+    def _settle_probe(self) -> None:
+        """Turns what the probe saw into the plan: batch order and waits."""
+        optimizer = self._optimizer()
+        runtime = optimizer._runtime
+        calls = self._probe_calls
+        count = len(self.params)
+        index_of = {id(p): i for i, p in enumerate(self.params)}
+        rank = [_UNRANKED] * count
+        for i, call in self._probe_first_inside.items():
+            rank[i] = min(rank[i], call)
+        # Static rules: a call of a module waits for its direct params, a call
+        # of a block for its whole subtree (reads that a probe may not see).
+        blocks = {id(b) for b in find_blocks(self.model)}
+        for call, module in enumerate(calls):
+            subtree = module.parameters() if id(module) in blocks else module.parameters(recurse=False)
+            for p in subtree:
+                i = index_of.get(id(p))
+                if i is not None:
+                    rank[i] = min(rank[i], call)
+        unseen = [i for i, p in enumerate(self.params)
+                  if p.grad is not None and i not in self._probe_read and i not in self.knocked_out]
+        for i in unseen:
+            rank[i] = -1
+        for i in self.knocked_out:
+            rank[i] = _UNRANKED
+        runtime.set_batch_order(rank)
         position_of = {batch: position for position, batch in enumerate(runtime.pipeline_order())}
-        last = [-1] * len(params)
+        last = [-1] * count
         for batch, plan in enumerate(runtime.batch_plan()):
             for i in plan["params"]:
                 last[i] = max(last[i], position_of[batch])
-        ids = [id(p) for p in params]
-        self.positions = [max((last[i] for i, pid in enumerate(ids) if pid in members), default=-1)
-                          for members in self._block_params]
-        in_blocks = set().union(*self._block_params) if self._block_params else set()
-        self.entry_position = max((last[i] for i, pid in enumerate(ids) if pid not in in_blocks), default=-1)
+        self._param_positions = last
+        everything = max(last, default=-1)
+        wait_at = [-1] * len(calls)
+        for i in range(count):
+            if 0 <= rank[i] < len(calls):
+                wait_at[rank[i]] = max(wait_at[rank[i]], last[i])
+        for call in range(1, len(calls)):
+            wait_at[call] = max(wait_at[call], wait_at[call - 1])
+        if calls and not self.knocked_out:
+            wait_at[-1] = everything  # the pass ends with the step done
+        step_position = max((last[i] for i in unseen), default=-1)
+        self.plan = _Plan(list(self.model.modules()), calls, wait_at, step_position, self._probe_compiled)
+        self.probe_warning = None
+        if unseen:
+            self.probe_warning = (
+                f"SwapOptimizer(overlap_forward=True): param(s) {self._param_names(unseen)} got grads although no "
+                "read of them was seen during the probe (a Triton or raw-pointer kernel, or a thread of its own?); "
+                "their updates now complete inside step(), before it returns")
+            warnings.warn(self.probe_warning, RuntimeWarning, stacklevel=4)
 
-    def position_for(self, block: Optional[int]) -> int:
-        return self.entry_position if block is None else self.positions[block]
+    # --------------------------------------------------------- the pass
+    def _runtime(self):
+        optimizer = self._optimizer()
+        return None if optimizer is None else optimizer.__dict__.get("_runtime")
+
+    def _refuse_capture(self) -> None:
+        if self.unproven:
+            raise RuntimeError("SwapOptimizer(overlap_forward=True): a CUDA graph is being captured while the last "
+                               "overlapped step may still be running (no host synchronisation has seen it end), and a "
+                               "capture cannot wait for it; call optimizer.synchronize() before capturing")
+
+    def _note_capture(self) -> None:
+        if not self.graphed:
+            self.graphed = True
+            warnings.warn("SwapOptimizer(overlap_forward=True): the model's forward is being captured in a CUDA "
+                          "graph; its replays run no hooks, so from now on step() completes each step before it "
+                          "returns (no overlap for this optimizer). Use overlap_forward=False to keep this quiet",
+                          RuntimeWarning, stacklevel=4)
+
+    def _wait_until(self, position: int, runtime=None) -> None:
+        if position <= self._waited:
+            return
+        runtime = runtime if runtime is not None else self._runtime()
+        if runtime is None:
+            return self.finish_pass()
+        if capturing(self.device):
+            self._refuse_capture()
+        try:
+            if position >= self._last_position:
+                runtime.wait_step()
+            else:
+                runtime.wait_ready(position)
+        except BaseException:
+            self.finish_pass()  # the step stopped: nothing more to wait for (the error says why)
+            raise
+        self._waited = position
+        if position >= self._last_position:
+            self.finish_pass()
+
+    def wait_all(self) -> None:
+        with self._lock:
+            if self.pending:
+                self._wait_until(self._last_position)
+            self._tidy()
+
+    def finish_pass(self) -> None:
+        """No position is pending any more (or the probe ended)."""
+        self.pending = False
+        self.probing = False
+        self._spans = None
+        self._pop_watch()  # inside the watch's own call: the next module call or wait takes it off
+
+    def _push_watch(self) -> None:
+        if not self._watch_on_stack and not self.inside_watch and threading.get_ident() == self.owner:
+            _insert_mode(self._watch)
+            self._watch_on_stack = True
+
+    def _tidy(self) -> None:
+        """Takes off a watch left on the stack by a pass that ended inside the
+        watch's own call (torch held it off the stack then)."""
+        if self._watch_on_stack and not (self.pending or self.probing):
+            self._pop_watch()
+
+    def _pop_watch(self) -> None:
+        if self._watch_on_stack and not self.inside_watch and threading.get_ident() == self.owner:
+            _remove_mode(self._watch)
+            self._watch_on_stack = False
+
+    def on_call(self, module: nn.Module) -> None:
+        """A module call anywhere (the global pre-hook)."""
+        self._tidy()
+        if not (self.pending or self.probing) and self.device.type != "cuda":
+            return  # idle on the CPU: nothing to do (on CUDA, captures are watched for)
+        if id(module) not in self._modules:
+            wrapped = _wrapped_module(module)
+            if wrapped is None or id(wrapped) not in self._modules:
+                return
+            self._modules.add(id(module))  # its return is counted too
+            self._wrappers.add(id(module))
+        wrapper = id(module) in self._wrappers
+        with self._lock:
+            if not (self.pending or self.probing):
+                if capturing(self.device):
+                    self._note_capture()
+                return
+            owner = threading.get_ident() == self.owner
+            if owner:
+                self._depth += 1
+            if self.probing:
+                self._probe_compiled |= wrapper
+                self._probe_calls.append(module)
+                if capturing(self.device):
+                    self._note_capture()
+                return
+            if owner and self._depth == 1:
+                self._pop_watch()
+            if capturing(self.device):
+                self._refuse_capture()
+                self._note_capture()
+            plan = self.plan
+            if wrapper or plan.compiled or (self._index == 0 and self._structure_changed()):
+                return self._wait_until(self._last_position)
+            if self._index < len(plan.sequence) and plan.sequence[self._index] is module:
+                position = plan.wait_at[self._index]
+                self._index += 1
+                self._wait_until(position)
+            elif not self.divergence_unguarded:  # not the probe's sequence: wait for everything here
+                self._index = len(plan.sequence)
+                self._wait_until(self._last_position)
+
+    def _structure_changed(self) -> bool:
+        """The model's modules are not those the probe saw, or one was
+        compiled in place since: the plan no longer says where reads are."""
+        modules = list(self.model.modules())
+        changed = len(modules) != len(self.plan.modules) or \
+            any(a is not b for a, b in zip(modules, self.plan.modules)) or \
+            any(_compiled_in_place(m) for m in modules)
+        if changed:
+            self.plan = None  # probe again at the next step
+            self._set_modules(modules)
+        return changed
+
+    def on_return(self, module: nn.Module) -> None:
+        """A module call returned (the global always-called forward hook)."""
+        self._tidy()
+        if id(module) not in self._modules or threading.get_ident() != self.owner:
+            return
+        with self._lock:
+            if not (self.pending or self.probing) or self._depth == 0:
+                return
+            self._depth -= 1
+            if self._depth == 0 and self.pending:
+                self._push_watch()
+
+    def on_op(self, func, args, kwargs) -> None:
+        """A torch op on the stepping thread while the watch is on its stack."""
+        with self._lock:
+            spans = self._spans
+            if spans is None:
+                return
+            touched = [tag for t in _tensors_in(args, kwargs) for tag in spans.touched(t)]
+            if self.probing:
+                inside = self._depth > 0
+                for i in touched:
+                    self._probe_read.add(i)
+                    if inside and i not in self._probe_first_inside:
+                        self._probe_first_inside[i] = len(self._probe_calls) - 1
+                return
+            if not self.pending or self.ops_unguarded:
+                return
+            if getattr(func, "__name__", "") in _BACKWARD_FUNCTIONS:
+                return self._wait_until(self._last_position)  # backward may write grads the step reads
+            if touched:
+                self._wait_until(max(self._positions[i] for i in touched))

@@ -6,8 +6,12 @@ On the host backend the updates run on an update thread while the main thread
 runs the forward; random delays on every copy make the updates lag, so a
 missed wait reads a param before its update and changes bits (checked: with
 the waits switched off these tests fail). Comparisons are torch.equal (bitwise)
-against the same loop with overlap_forward=False.
+against the same loop with overlap_forward=False. The first step after the
+optimizer is made runs whole (the probe); the ones after it overlap.
+tests/test_overlap_models.py has the model code the hooks were not written for.
 """
+
+import gc
 
 import pytest
 import torch
@@ -16,9 +20,19 @@ from torch.utils.checkpoint import checkpoint
 
 import swap_optimizer as so
 from conftest import DEVICES, requires_cuda
+from swap_optimizer.overlap import find_blocks
 from swap_training import round_trip
 
 VOCAB, WIDTH = 64, 32
+
+
+@pytest.fixture(autouse=True)
+def no_watch_left_behind():
+    """Every test ends with no torch function mode left on the stack (an
+    optimizer dropped or a pass ended mid-op takes its watch off)."""
+    yield
+    gc.collect()
+    assert torch._C._len_torch_function_stack() == 0, "a SwapOptimizer watch was left on the mode stack"
 
 
 class OverlapLM(nn.Module):
@@ -62,12 +76,12 @@ def loss_of(model, tokens):
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), torch.roll(tokens, -1, 1).reshape(-1))
 
 
-def make_optimizer(model, overlap, device, compiled=None, **fields):
+def make_optimizer(model, overlap, device, compiled=None, delay_us=300, **fields):
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     extra = dict(model=model if compiled is None else compiled, overlap_forward=True) if overlap else {}
     optimizer = so.SwapOptimizer(inner, swap_times=6, num_arenas=3, min_numel=0, **fields, **extra)
     if overlap:
-        optimizer._set_test_hooks(copy_delay_us=300, seed=5)  # updates lag behind the forward
+        optimizer._set_test_hooks(copy_delay_us=delay_us, seed=5)  # updates lag behind the forward
     return optimizer
 
 
@@ -162,18 +176,21 @@ def test_overlap_trains_bitwise_like_without(feature, device):
     assert_bitwise(snap_off, snap_on)
 
 
-def test_the_waits_are_what_keeps_it_right():
-    """The check above can fail: with the forward's waits switched off, the
-    same overlapped loop differs from the plain one."""
-    device = torch.device("cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_waits_are_what_keeps_it_right(device):
+    """The check above can fail: with every wait of the forward and of ops
+    outside it switched off, the same overlapped loop differs from the plain
+    one (longer copy delays: the reads then certainly come first)."""
+    device = torch.device(device)
     model, plain_model = build(device), build(device)
-    optimizer = make_optimizer(model, True, device)
+    optimizer = make_optimizer(model, True, device, delay_us=4000)
     plain = make_optimizer(plain_model, False, device)
-    optimizer._wait_for_forward = lambda block: None
-    train(model, optimizer, 5, device, "plain")
-    train(plain_model, plain, 5, device, "plain")
+    optimizer._overlap.knocked_out = set(range(len(list(model.parameters()))))
+    optimizer._overlap.ops_unguarded = True
+    logged = train(model, optimizer, 5, device, "plain")
+    logged_plain = train(plain_model, plain, 5, device, "plain")
     optimizer.wait()
-    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), plain_model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(logged, logged_plain))
 
 
 # CPU only: on CUDA the compiled path is the same whole-step wait() the other
@@ -185,9 +202,9 @@ def test_compiled_model_waits_once_at_entry():
         model = build(device)
         compiled = torch.compile(model, backend="aot_eager")
         optimizer = make_optimizer(model, overlap, device, compiled=compiled)
-        if overlap:
-            assert optimizer._overlap.compiled and optimizer._overlap.blocks == []
         logged = train(model, optimizer, 4, device, "plain", forward=compiled)
+        if overlap:
+            assert optimizer._overlap.plan.compiled  # the probe saw the wrapper's call
         runs.append((logged, snapshot(model, optimizer)))
     for a, b in zip(runs[0][0], runs[1][0]):
         assert torch.equal(a, b)
@@ -220,7 +237,7 @@ def test_nested_module_lists_give_their_called_modules_as_blocks():
         model = NestedBlocks()
         optimizer = make_optimizer(model, overlap, device)
         if overlap:
-            assert optimizer._overlap.blocks == [m for pair in model.layers for m in pair]
+            assert find_blocks(model) == [m for pair in model.layers for m in pair]
         logged = train(model, optimizer, 5, device, "plain")
         runs.append((logged, snapshot(model, optimizer)))
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
@@ -267,34 +284,35 @@ def test_cut_params_keep_their_pieces_in_order():
     assert_bitwise(runs[0][1], runs[1][1])
 
 
-def test_blocks_and_batch_order():
-    """Blocks are the encoder's layers; the batches run in block order (params
-    outside every block first), and each block waits for the last batch of its
-    whole subtree."""
+def test_the_plan_follows_the_reads():
+    """After the probe: the batches run in the order the forward first reads
+    their params (the embedding first, also used by the tied head last), and
+    each call waits for what is read before the next call, such as the
+    out_proj.weight that MultiheadAttention reads itself."""
     model = build(torch.device("cpu"))
     optimizer = make_optimizer(model, True, torch.device("cpu"))
-    overlap = optimizer._overlap
-    assert overlap.blocks == list(model.encoder.layers)
-    params = list(model.parameters())
-    ranks = overlap.rank_of_params(params)
-    plan = optimizer._batch_plan()  # pipeline order
-    position_ranks = [min(ranks[i] for i in batch["params"]) for batch in plan]
-    assert position_ranks == sorted(position_ranks)
-    out_proj = [i for i, p in enumerate(params) if p is model.encoder.layers[2].self_attn.out_proj.weight][0]
-    assert overlap.positions[2] >= max(b for b, batch in enumerate(plan) if out_proj in batch["params"])
-    assert overlap.positions == sorted(overlap.positions)
-    # The head is tied to the embedding: one param, outside every block.
-    embed = [i for i, p in enumerate(params) if p is model.embed.weight][0]
-    assert ranks[embed] == -1
-    assert overlap.entry_position == max(b for b, batch in enumerate(plan)
-                                         if any(ranks[i] == -1 for i in batch["params"]))
+    train(model, optimizer, 2, torch.device("cpu"), "plain")
+    plan = optimizer._overlap.plan
+    assert plan.sequence[0] is model and plan.sequence[1] is model.embed
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    batches = optimizer._batch_plan()  # pipeline order
+    last = {i: max(b for b, batch in enumerate(batches) if i in batch["params"]) for i in index.values()}
+    embed = index[id(model.embed.weight)]
+    assert embed in batches[0]["params"]
+    assert plan.wait_at == sorted(plan.wait_at) and plan.wait_at[-1] == len(batches) - 1
+    for layer in model.encoder.layers:
+        call = next(k for k, module in enumerate(plan.sequence) if module is layer.self_attn)
+        assert plan.wait_at[call] >= last[index[id(layer.self_attn.out_proj.weight)]]
+        assert plan.wait_at[call] >= last[index[id(layer.self_attn.in_proj_weight)]]
+    first_layer = next(k for k, module in enumerate(plan.sequence) if module is model.encoder.layers[0])
+    assert plan.wait_at[first_layer] < len(batches) - 1, "the first layer waits for the whole step"
 
 
 def test_staging_counts_until_the_step_is_waited_for():
     device = torch.device("cpu")
     model = build(device)
     optimizer = make_optimizer(model, True, device)
-    train(model, optimizer, 1, device, "plain")
+    train(model, optimizer, 2, device, "plain")  # the probe, then an overlapped step
     stats = optimizer.memory_stats()
     assert stats["staging_bytes"] == stats["peak_staging_bytes"] > 0
     optimizer.wait()
@@ -389,6 +407,8 @@ def test_interrupt_at_every_batch_lets_the_deferred_step_complete():
     model, plain_model = build(device), build(device)
     optimizer = make_optimizer(model, True, device)
     plain = make_optimizer(plain_model, False, device)
+    train(model, optimizer, 1, device, "plain")  # the probe: the steps after it are deferred
+    train(plain_model, plain, 1, device, "plain")
     plan = optimizer._batch_plan()
     for fault_batch in range(1, len(plan)):
         optimizer._set_test_hooks(fault="interrupt", fault_batch=fault_batch)
@@ -498,9 +518,18 @@ def test_16bit_params_follow_outside_writes_as_without_overlap(fields):
 
 
 def test_a_model_with_a_compiled_block_waits_once_at_entry():
-    """Hooks added after a block's first compiled call would be skipped, so a
-    model with any compiled module gets the whole-step wait at its entry."""
-    model = build(torch.device("cpu"))
-    model.encoder.layers[1].compile(backend="aot_eager")
-    optimizer = so.SwapOptimizer(torch.optim.AdamW(model.parameters()), model=model, overlap_forward=True)
-    assert optimizer._overlap.compiled and optimizer._overlap.blocks == []
+    """A block compiled in place runs no eager hook inside, so a model with
+    any module compiled in place waits for the whole step at its first call;
+    training stays bitwise."""
+    device = torch.device("cpu")
+    runs = []
+    for overlap in (False, True):
+        model = build(device)
+        model.encoder.layers[1].compile(backend="aot_eager")
+        optimizer = make_optimizer(model, overlap, device)
+        logged = train(model, optimizer, 3, device, "plain")
+        if overlap:
+            assert optimizer._overlap.plan.compiled
+        runs.append((logged, snapshot(model, optimizer)))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert_bitwise(runs[0][1], runs[1][1])

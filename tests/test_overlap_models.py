@@ -1,0 +1,465 @@
+"""overlap_forward=True on model code written the way people write it, not the
+way the hooks would like it: blocks in an nn.Sequential the forward iterates,
+a holder whose method calls the real model, a module registered in a block and
+read before it, blocks called through .forward(), timm's checkpoint_seq, layer
+drop, torch.compile applied after the optimizer was made, and reads of params
+outside the forward (an EMA, norm logging, deepcopy, torch.save) right after
+step().
+
+Each run with overlap is compared bitwise (torch.equal) with the same loop
+without it. Random delays on every copy make the updates lag behind the
+forward, so a read that did not wait changes bits. Each case has a negative
+control: the wait that covers it is knocked out (the param's waits, or the
+watch on ops outside the forward), and the same comparison then fails.
+"""
+
+import copy
+import gc
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import swap_optimizer as so
+
+VOCAB, WIDTH, STEPS = 64, 32, 5
+
+
+@pytest.fixture(autouse=True)
+def no_watch_left_behind():
+    """Every test ends with no torch function mode left on the stack (an
+    optimizer dropped or a pass ended mid-op takes its watch off)."""
+    yield
+    gc.collect()
+    assert torch._C._len_torch_function_stack() == 0, "a SwapOptimizer watch was left on the mode stack"
+
+
+class Block(nn.Module):
+    def __init__(self, layer_scale=False):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.fc1 = nn.Linear(WIDTH, 2 * WIDTH)
+        self.fc2 = nn.Linear(2 * WIDTH, WIDTH)
+        self.gamma = nn.Parameter(torch.full((WIDTH,), 0.5)) if layer_scale else None
+
+    def forward(self, x):
+        y = self.fc2(torch.tanh(self.fc1(self.norm(x))))
+        return x + (self.gamma * y if self.gamma is not None else y)
+
+
+class SequentialBlocks(nn.Module):
+    """Case 1: blocks in an nn.Sequential that the forward iterates (no
+    ModuleList anywhere), as timm's ViT does around checkpoint_seq."""
+
+    def __init__(self, blocks=3, layer_scale=False):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.Sequential(*[Block(layer_scale) for _ in range(blocks)])
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Holder(nn.Module):
+    """Case 2: what the optimizer is given (a LightningModule, say) holds the
+    model, and its training step calls the inner model; the holder itself is
+    never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = SequentialBlocks()
+
+    def training_step(self, tokens):
+        return loss_of(self.model, tokens)
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class SharedScale(nn.Module):
+    """Case 3: a module owned outside the blocks and also registered inside
+    one (layers[2].shared), read before that block runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+        self.scale = Scale()
+        self.layers[2].shared = self.scale
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens):
+        x = self.scale(self.embed(tokens))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class ForwardCalls(nn.Module):
+    """Case 4: blocks called through block.forward(x): no __call__, no hook of
+    theirs runs. With layer_scale, each block has a parameter of its own."""
+
+    def __init__(self, layer_scale=False):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(Block(layer_scale) for _ in range(3))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer.forward(x)
+        return self.head(x)
+
+
+def checkpoint_seq(functions, x, every=1, use_reentrant=False):
+    """timm.models.helpers.checkpoint_seq, as timm writes it: segments of an
+    nn.Sequential run under torch.utils.checkpoint, indexing the Sequential."""
+    def run_function(start, end, functions):
+        def forward(_x):
+            for j in range(start, end + 1):
+                _x = functions[j](_x)
+            return _x
+        return forward
+
+    count = len(functions)
+    for start in range(0, count, every):
+        end = min(start + every - 1, count - 1)
+        x = checkpoint(run_function(start, end, functions), x, use_reentrant=use_reentrant)
+    return x
+
+
+class CheckpointSeq(SequentialBlocks):
+    def __init__(self, use_reentrant):
+        super().__init__()
+        self.use_reentrant = use_reentrant
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        return self.head(checkpoint_seq(self.blocks, x, every=2, use_reentrant=self.use_reentrant))
+
+
+class LayerDrop(nn.Module):
+    """The set of called blocks changes between steps (a layer dropped on
+    odd steps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.calls = 0
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        dropped = 1 + self.calls % 3 if self.calls % 2 else None
+        self.calls += 1
+        for i, layer in enumerate(self.layers):
+            if i != dropped:
+                x = layer(x)
+        return self.head(x)
+
+
+def tokens_for(step):
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (4, 12), generator=generator)
+
+
+def loss_of(model, tokens):
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.roll(tokens, -1, 1).reshape(-1))
+
+
+def make_optimizer(model, overlap, delay_us=300):
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    extra = dict(model=model, overlap_forward=True) if overlap else {}
+    optimizer = so.SwapOptimizer(inner, swap_times=6, num_arenas=3, min_numel=0, **extra)
+    if overlap:
+        optimizer._set_test_hooks(copy_delay_us=delay_us, seed=5)  # the updates lag behind the forward
+    return optimizer
+
+
+def index_of(model, *params):
+    ids = {id(p) for p in params}
+    return {i for i, p in enumerate(model.parameters()) if id(p) in ids}
+
+
+# The negative controls' copies take longer, so that a read that does not wait
+# certainly comes before the update even on a loaded machine.
+CONTROL_DELAY_US = 4000
+
+
+def run(build, overlap, steps=STEPS, step_loss=loss_of, after_step=None, knock_out=None, unguard=False,
+        unguard_divergence=False):
+    """Trains `steps` steps; returns the losses and whatever after_step logged,
+    then the params and optimizer state."""
+    torch.manual_seed(0)
+    model = build()
+    control = knock_out is not None or unguard or unguard_divergence
+    optimizer = make_optimizer(model, overlap, delay_us=CONTROL_DELAY_US if control else 300)
+    if overlap and knock_out is not None:
+        optimizer._overlap.knocked_out = knock_out(model)
+    if overlap:
+        optimizer._overlap.ops_unguarded = unguard
+        optimizer._overlap.divergence_unguarded = unguard_divergence
+    logged = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = step_loss(model, tokens_for(step))
+        loss.backward()
+        logged.append(loss.detach().clone())
+        optimizer.step()
+        if after_step is not None:
+            logged += [t.detach().clone() for t in after_step(model, optimizer, step)]
+    optimizer.wait()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [v.clone() for p in model.parameters() for v in optimizer.state[p].values()]
+    return logged, params + state
+
+
+def differs(first, second):
+    return len(first[0]) != len(second[0]) or \
+        any(not torch.equal(a, b) for a, b in zip(first[0] + first[1], second[0] + second[1]))
+
+
+def check_case(build, knock_out, **kwargs):
+    """Bitwise like overlap off; and with the covering waits knocked out, not."""
+    plain = run(build, False, **kwargs)
+    assert not differs(plain, run(build, True, **kwargs)), "overlap changed the results"
+    assert differs(plain, run(build, True, knock_out=knock_out, **kwargs)), \
+        "negative control: without the waits that cover this case the results should differ"
+
+
+def test_blocks_in_a_sequential_the_forward_iterates():
+    check_case(SequentialBlocks, lambda m: index_of(m, *m.blocks.parameters()))
+
+
+def test_a_holder_whose_method_calls_the_inner_model():
+    """The holder is given as model= and never called: the inner model's
+    first call waits (here for the embedding), not a hook on the holder."""
+    holder_loss = lambda holder, tokens: holder.training_step(tokens)  # noqa: E731
+    check_case(Holder, lambda h: index_of(h, h.model.embed.weight), step_loss=holder_loss)
+
+
+def test_a_module_registered_in_a_block_and_read_before_it():
+    check_case(SharedScale, lambda m: index_of(m, m.scale.weight))
+
+
+@pytest.mark.parametrize("layer_scale", [False, True], ids=["plain", "layer_scale_gamma"])
+def test_blocks_called_through_forward(layer_scale):
+    """No hook of theirs runs: their reads wait at the call before them. With
+    a layer-scale gamma (an nn.Parameter of the block itself)."""
+    check_case(lambda: ForwardCalls(layer_scale), lambda m: index_of(m, *m.layers.parameters()))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_timm_checkpoint_seq(use_reentrant):
+    check_case(lambda: CheckpointSeq(use_reentrant), lambda m: index_of(m, *m.blocks.parameters()))
+
+
+def test_layer_drop_waits_for_the_whole_step_where_the_calls_differ():
+    """Odd forwards skip a layer (the probe's forward skipped layer 2): the
+    calls differ from the probe's there, and the whole step is waited for at
+    that point. Without that wait, layer 2, which the probe never saw called,
+    would read its params before their update."""
+    plain = run(LayerDrop, False)
+    assert not differs(plain, run(LayerDrop, True))
+    assert differs(plain, run(LayerDrop, True, unguard_divergence=True))
+
+
+def test_compile_with_fullgraph_after_the_optimizer_was_made():
+    """torch.compile(model, fullgraph=True) after the optimizer: the compiled
+    wrapper's call waits for the whole step (no hook inside runs eagerly)."""
+    compiled = {}
+
+    def compiled_loss(model, tokens):
+        if id(model) not in compiled:  # made at the first step, after the optimizer
+            compiled[id(model)] = torch.compile(model, fullgraph=True, backend="aot_eager")
+        return loss_of(compiled[id(model)], tokens)
+    plain = run(SequentialBlocks, False, step_loss=compiled_loss)
+    assert not differs(plain, run(SequentialBlocks, True, step_loss=compiled_loss))
+
+
+# ---------------------------------------------------------------- reads outside the forward
+AVERAGED = {}
+
+
+def ema_after_step(model, optimizer, step):
+    if step == 0:
+        AVERAGED[id(model)] = torch.optim.swa_utils.AveragedModel(
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    averaged = AVERAGED[id(model)]
+    averaged.update_parameters(model)
+    return list(averaged.module.parameters())
+
+
+def norms_after_step(model, optimizer, step):
+    return [torch.stack([p.norm() for p in model.parameters()])]
+
+
+def deepcopy_after_step(model, optimizer, step):
+    return list(copy.deepcopy(model).parameters())
+
+
+def save_after_step(model, optimizer, step):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return list(torch.load(buffer, weights_only=False).parameters())
+
+
+@pytest.mark.parametrize("after_step", [ema_after_step, norms_after_step, deepcopy_after_step, save_after_step],
+                         ids=["averaged_model_ema", "norm_logging", "deepcopy", "torch_save"])
+def test_reads_right_after_step_wait_by_themselves(after_step):
+    plain = run(SequentialBlocks, False, after_step=after_step)
+    assert not differs(plain, run(SequentialBlocks, True, after_step=after_step))
+    assert differs(plain, run(SequentialBlocks, True, after_step=after_step, unguard=True)), \
+        "negative control: with the watch on ops outside the forward off, the read should see old values"
+
+
+def test_a_copy_of_the_model_neither_waits_nor_keeps_the_optimizer():
+    """The model stays picklable; copies have no hooks and other params, so
+    calling one never waits for the original's step, and the original's
+    optimizer goes away with it."""
+    import gc
+    import weakref
+    torch.manual_seed(0)
+    model = SequentialBlocks()
+    optimizer = make_optimizer(model, True)
+    for step in range(2):
+        loss_of(model, tokens_for(step)).backward()
+        optimizer.step()
+    copied = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    optimizer._set_test_hooks(copy_delay_us=20_000, seed=1)  # a step that takes a while
+    loss_of(model, tokens_for(3)).backward()
+    optimizer.step()
+    assert optimizer._overlap.pending
+    for other in (copied, loaded):
+        loss_of(other, tokens_for(4))
+    assert optimizer._overlap.pending, "calling a copy waited for the original's step"
+    optimizer.wait()
+    reference = weakref.ref(optimizer)
+    del optimizer
+    gc.collect()
+    assert reference() is None, "a copy of the model (or its hooks) kept the optimizer alive"
+    loss_of(loaded, tokens_for(5))
+
+
+# ---------------------------------------------------------------- what the probe cannot see, and compile
+class HiddenRead(torch.autograd.Function):
+    """Reads the weight where no torch function mode can see it (as a Triton
+    or raw-pointer kernel would)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        with torch._C.DisableTorchFunction():
+            ctx.save_for_backward(x, weight)
+            return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad * weight, (grad * x).sum((0, 1))
+
+
+class HiddenScale(SequentialBlocks):
+    """Reads a scale (in a module of its own, registered last, never called)
+    with HiddenRead, before the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.tail = Scale()
+
+    def forward(self, tokens):
+        x = HiddenRead.apply(self.embed(tokens), self.tail.weight)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_reads_the_probe_cannot_see_finish_inside_step():
+    """A param whose grad appears although no read of it was seen is updated
+    inside step() from then on, and the user is told which one."""
+    plain = run(HiddenScale, False)
+    with pytest.warns(RuntimeWarning, match=r"param\(s\) \d+ \(tail.weight\) got grads although no read"):
+        assert not differs(plain, run(HiddenScale, True))
+    assert differs(plain, run(HiddenScale, True, knock_out=lambda m: index_of(m, m.tail.weight)))
+
+
+def test_compiling_the_model_in_place_after_an_overlapped_step_refuses_that_step():
+    """model.compile() after overlapped steps: the compiled forward runs no
+    eager hook, so the next step() refuses (its grads may have been computed
+    from params read before their update), and later steps complete inside
+    step(), bitwise like overlap off."""
+    torch.manual_seed(0)
+    model, plain_model = SequentialBlocks(), SequentialBlocks()
+    plain_model.load_state_dict(model.state_dict())
+    optimizer, plain = make_optimizer(model, True), make_optimizer(plain_model, False)
+    for step in range(2):
+        for m, opt in ((model, optimizer), (plain_model, plain)):
+            opt.zero_grad()
+            loss_of(m, tokens_for(step)).backward()
+            opt.step()
+    model.compile(backend="aot_eager")
+    plain_model.compile(backend="aot_eager")
+    optimizer.zero_grad()
+    loss_of(model, tokens_for(2)).backward()
+    with pytest.raises(RuntimeError, match=r"compiled in place .* this step is refused"):
+        optimizer.step()
+    for step in range(2, 5):
+        for m, opt in ((model, optimizer), (plain_model, plain)):
+            opt.zero_grad()
+            loss_of(m, tokens_for(step)).backward()
+            opt.step()
+        assert not optimizer._overlap.pending  # completed inside step()
+    for p, q in zip(model.parameters(), plain_model.parameters()):
+        assert torch.equal(p, q)
+
+
+class UserMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_watch_leaves_the_mode_stack_as_it_found_it():
+    """The watch sits at the bottom of the mode stack (above torch.device
+    contexts) while a step is pending outside the model's calls, and is gone
+    once the step is waited for; users' modes entered and left meanwhile, and
+    a torch.device context around everything, keep working."""
+    stack_size = torch._C._len_torch_function_stack
+    torch.manual_seed(0)
+    model = SequentialBlocks()
+    optimizer = make_optimizer(model, True)
+    with torch.device("cpu"):
+        base = stack_size()
+        for step in range(4):
+            optimizer.zero_grad()
+            with UserMode():
+                loss = loss_of(model, tokens_for(step))
+            loss.backward()
+            optimizer.step()
+            if step >= 1:  # overlapped: the watch is on until the next forward's calls have waited
+                assert optimizer._overlap.pending and stack_size() == base + 1
+                with UserMode():
+                    assert stack_size() == base + 2
+                assert stack_size() == base + 1
+        optimizer.wait()
+        assert stack_size() == base
+    assert stack_size() == 0
+    loss_of(model, tokens_for(9))  # the forward after a wait runs with no mode at all
