@@ -344,6 +344,7 @@ class ForwardOverlap:
         self.probe_warning: Optional[str] = None  # the last probe's note on reads it could not see
         self.graphed = False     # a CUDA graph captured a forward: later steps complete inside step()
         self.unproven = False    # CUDA: a deferred step no host sync has seen end
+        self.watch_captures = self.device.type == "cuda"  # idle calls too: a graph captured before a step
         self.root_compiled = _compiled_in_place(model)
         # Tests only (negative controls): params whose waits are left out, ops
         # outside the forward left unwatched, no wait where calls diverge.
@@ -583,8 +584,8 @@ class ForwardOverlap:
     def on_call(self, module: nn.Module) -> None:
         """A module call anywhere (the global pre-hook)."""
         self._tidy()
-        if not (self.pending or self.probing) and self.device.type != "cuda":
-            return  # idle on the CPU: nothing to do (on CUDA, captures are watched for)
+        if not (self.pending or self.probing or self.watch_captures):
+            return  # idle on the CPU: nothing to do
         if id(module) not in self._modules:
             wrapped = _wrapped_module(module)
             if wrapped is None or id(wrapped) not in self._modules:
@@ -595,6 +596,7 @@ class ForwardOverlap:
         with self._lock:
             if not (self.pending or self.probing):
                 if capturing(self.device):
+                    self._refuse_capture()  # after wait(): a stream wait proves nothing here
                     self._note_capture()
                 return
             owner = threading.get_ident() == self.owner

@@ -446,18 +446,129 @@ def test_cuda_forward_waits_on_the_stream_without_host_sync():
     assert_bitwise(snapshot(model, optimizer), snapshot(plain_model, plain))
 
 
+def capture_forward(model, tokens):
+    """A CUDA graph of the model's forward (no grad), after warm-up calls on a
+    side stream as torch.cuda.graph asks; returns the graph and its output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(2):
+            model(tokens)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        output = model(tokens)
+    return graph, output
+
+
 @requires_cuda
-def test_cuda_graph_capture_of_a_waiting_forward_is_refused():
+def test_cuda_graph_capture_after_wait_is_refused_until_synchronize():
+    """After an overlapped step, wait() is a stream wait: nothing proves on the
+    host that the step ended, and a capture can neither wait on the step's
+    events nor sync. The capture is refused before any CUDA call, with advice
+    that works: after optimizer.synchronize() it is taken, and from then on
+    each step completes inside step() (replays run no hooks), bitwise like a
+    plain loop whose graph is replayed the same way."""
     device = torch.device("cuda")
+    model, plain_model = build(device), build(device)
+    optimizer, plain = make_optimizer(model, True, device), make_optimizer(plain_model, False, device)
+    train(model, optimizer, 2, device, "plain")
+    train(plain_model, plain, 2, device, "plain")
+    tokens = tokens_for(0, device)
+    optimizer.wait()
+    with pytest.raises(RuntimeError, match=r"call optimizer.synchronize\(\) before capturing"):
+        with torch.no_grad(), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            model(tokens)
+    optimizer.synchronize()
+    with pytest.warns(RuntimeWarning, match="captured in a CUDA graph"):
+        graph, output = capture_forward(model, tokens)
+    plain_graph, plain_output = capture_forward(plain_model, tokens)
+    assert optimizer._overlap.graphed
+    for step in range(3):
+        train(model, optimizer, 1, device, "plain")
+        train(plain_model, plain, 1, device, "plain")
+        assert not optimizer._overlap.pending, "a step was deferred after the forward was captured"
+        graph.replay()
+        plain_graph.replay()
+        assert torch.equal(output, plain_output)
+    assert_bitwise(snapshot(model, optimizer), snapshot(plain_model, plain))
+
+
+@requires_cuda
+def test_a_graph_captured_before_the_first_step_never_races_a_step():
+    """The forward captured before any step (nothing pending: taken), then
+    replayed after each step: the steps complete inside step(), so a replay
+    on the stream that stepped reads updated params."""
+    device = torch.device("cuda")
+    model, plain_model = build(device), build(device)
+    optimizer, plain = make_optimizer(model, True, device), make_optimizer(plain_model, False, device)
+    tokens = tokens_for(0, device)
+    with pytest.warns(RuntimeWarning, match="captured in a CUDA graph"):
+        graph, output = capture_forward(model, tokens)
+    plain_graph, plain_output = capture_forward(plain_model, tokens)
+    optimizer._set_test_hooks(copy_delay_us=20_000, seed=3)  # a racing replay would read old params
+    for step in range(3):
+        train(model, optimizer, 1, device, "plain")
+        train(plain_model, plain, 1, device, "plain")
+        graph.replay()
+        plain_graph.replay()
+        assert torch.equal(output, plain_output)
+
+
+@requires_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU (params on a device that is not current)")
+def test_cuda_graph_capture_is_seen_on_the_params_device():
+    """Params on cuda:1 while cuda:0 is current: the capture on cuda:1's
+    stream is seen there (torch.cuda.is_current_stream_capturing() alone looks
+    at the current device) and refused while a step may run."""
+    device = torch.device("cuda:1")
     model = build(device)
     optimizer = make_optimizer(model, True, device)
-    train(model, optimizer, 1, device, "plain")
-    tokens = tokens_for(0, device)  # made outside the capture (a host-to-device copy syncs)
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="call optimizer.wait\\(\\) before capturing"):
-        with torch.cuda.graph(graph):
-            loss_of(model, tokens)
+    train(model, optimizer, 2, device, "plain")
     optimizer.wait()
+    tokens = tokens_for(0, device)
+    stream = torch.cuda.Stream(device=device)
+    with pytest.raises(RuntimeError, match=r"call optimizer.synchronize\(\) before capturing"):
+        with torch.no_grad(), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+            with torch.cuda.device(0):
+                model(tokens)
+
+
+def test_capture_rules_on_the_cpu(monkeypatch):
+    """The capture rules without a GPU (a capture and CUDA's unproven step end
+    simulated): refused while a step may run, even right after wait(); taken
+    after synchronize(), and then every later step completes inside step()."""
+    import contextlib
+
+    import swap_optimizer.overlap as overlap_module
+    device = torch.device("cpu")
+    model = build(device)
+    optimizer = make_optimizer(model, True, device)
+    overlap = optimizer._overlap
+    overlap.watch_captures = True  # as on CUDA
+
+    @contextlib.contextmanager
+    def simulated_capture():
+        monkeypatch.setattr(overlap_module, "capturing", lambda device: True)
+        try:
+            yield
+        finally:
+            monkeypatch.setattr(overlap_module, "capturing", lambda device: False)
+
+    train(model, optimizer, 2, device, "plain")
+    assert overlap.pending
+    overlap.unproven = True  # as after a deferred step on CUDA
+    with pytest.raises(RuntimeError, match=r"call optimizer.synchronize\(\) before capturing"), simulated_capture():
+        model(tokens_for(0, device))
+    optimizer.wait()
+    overlap.unproven = True  # wait() is a stream wait on CUDA
+    with pytest.raises(RuntimeError, match=r"call optimizer.synchronize\(\) before capturing"), simulated_capture():
+        model(tokens_for(0, device))
+    optimizer.synchronize()
+    with pytest.warns(RuntimeWarning, match="captured in a CUDA graph"), simulated_capture():
+        model(tokens_for(0, device))
+    train(model, optimizer, 2, device, "plain")
+    assert overlap.graphed and not overlap.pending
 
 
 def test_a_fault_inside_a_cut_param_of_a_deferred_step_tears_it_and_says_so():
