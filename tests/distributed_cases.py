@@ -266,20 +266,20 @@ def case_ddp(rank, device, work_dir):
 
 
 def case_ddp_overlap(rank, device, work_dir):
-    """overlap_forward=True under DDP: each block of the wrapped model waits
-    for its own params; training is bitwise that without it on every rank,
-    and the replicas stay identical. FSDP2's DTensor params are refused."""
+    """overlap_forward=True under DDP: the wrapped model's calls wait for their
+    params; training is bitwise that without it on every rank, and the
+    replicas stay identical. FSDP2's DTensor params are refused."""
     runs = []
     for overlap in (False, True):
         model = DistributedDataParallel(build(device))
         fields = dict(model=model, overlap_forward=True) if overlap else {}
         ours = SwapOptimizer(adamw(model.parameters()), swap_times=3, num_arenas=3, min_numel=64, **fields)
-        if overlap:
-            assert ours._overlap.blocks == list(model.module.children())
-            if device.type == "cpu":
-                ours._set_test_hooks(copy_delay_us=300, seed=rank)  # the updates lag behind the forward
+        if overlap and device.type == "cpu":
+            ours._set_test_hooks(copy_delay_us=300, seed=rank)  # the updates lag behind the forward
         train(model, ours, 6, 0, device, rank)
-        ours.wait()  # params are read below outside the forward
+        if overlap:
+            assert ours._overlap.plan is not None and ours._overlap.pending  # the steps after the probe overlap
+        ours.wait()
         runs.append(([p.detach().clone() for p in model.parameters()],
                      [v.clone() for p in model.parameters() for v in ours.state[p].values()]))
     (params_off, state_off), (params_on, state_on) = runs
@@ -298,7 +298,56 @@ def case_ddp_overlap(rank, device, work_dir):
         raise AssertionError("overlap_forward with FSDP2 params was accepted")
 
 
-CASES = {"ddp_overlap": case_ddp_overlap, "fsdp2": case_fsdp2, "fsdp2_checkpoint": case_fsdp2_checkpoint,
+class LayerDrop(nn.Module):
+    """Odd calls skip one of the layers (the same one on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(24, 24) for _ in range(4))
+        self.head = nn.Linear(24, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        dropped = 1 + self.calls % 3 if self.calls % 2 else None
+        self.calls += 1
+        for i, layer in enumerate(self.layers):
+            if i != dropped:
+                x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def case_ddp_overlap_layer_drop(rank, device, work_dir):
+    """overlap_forward=True under DDP with find_unused_parameters and
+    gradient_as_bucket_view=True (grads are views of the reducer's buckets,
+    which the next backward rewrites): the called layers change between steps,
+    the whole step is waited for where the calls differ from the probe's, and
+    training is bitwise that without overlap, replicas identical. Negative
+    control: without that wait the results differ."""
+    runs = []
+    for overlap, control in ((False, False), (True, False), (True, True)):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(LayerDrop().to(device), find_unused_parameters=True,
+                                        gradient_as_bucket_view=True)
+        fields = dict(model=model, overlap_forward=True) if overlap else {}
+        ours = SwapOptimizer(adamw(model.parameters()), swap_times=4, num_arenas=3, min_numel=0, **fields)
+        if overlap:
+            ours._overlap.divergence_unguarded = control
+            if device.type == "cpu":
+                ours._set_test_hooks(copy_delay_us=4000 if control else 300, seed=rank)
+        train(model, ours, 7, 0, device, rank)
+        ours.wait()
+        runs.append([p.detach().clone() for p in model.parameters()] +
+                    [v.clone() for p in model.parameters() for v in ours.state[p].values()])
+    plain, overlapped, uncovered = runs
+    assert len(plain) == len(overlapped) and all(torch.equal(a, b) for a, b in zip(plain, overlapped))
+    assert any(not torch.equal(a, b) for a, b in zip(plain, uncovered)), "the negative control did not differ"
+    for p in overlapped[:len(list(model.parameters()))]:
+        gathered = [torch.empty_like(p) for _ in range(WORLD)]
+        dist.all_gather(gathered, p)
+        assert torch.equal(gathered[0], gathered[1])
+
+
+CASES = {"ddp_overlap": case_ddp_overlap, "ddp_overlap_layer_drop": case_ddp_overlap_layer_drop, "fsdp2": case_fsdp2, "fsdp2_checkpoint": case_fsdp2_checkpoint,
          "fsdp2_mixed_precision": case_fsdp2_mixed_precision, "fsdp2_split": case_fsdp2_split,
          "fsdp2_bf16_moments": case_fsdp2_bf16_moments, "fsdp2_8bit": case_fsdp2_8bit, "ddp": case_ddp}
 

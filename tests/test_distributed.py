@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-CASES = ["fsdp2", "fsdp2_checkpoint", "fsdp2_mixed_precision", "fsdp2_split", "ddp", "ddp_overlap"]
+CASES = ["fsdp2", "fsdp2_checkpoint", "fsdp2_mixed_precision", "fsdp2_split", "ddp", "ddp_overlap",
+         "ddp_overlap_layer_drop"]
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_cases.py")
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch was built without torch.distributed")
