@@ -41,6 +41,7 @@ never waits for this optimizer's step or keeps it alive.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 import warnings
 import weakref
@@ -285,34 +286,57 @@ class _Watch:
     """The global module hooks, installed while any overlap lives. They do
     nothing for modules of no overlapping optimizer's model."""
 
-    overlaps: "weakref.WeakSet[ForwardOverlap]" = weakref.WeakSet()
+    # Held until their optimizer goes (its finalizer unregisters them); an
+    # overlap keeps only a weak reference to its optimizer.
+    overlaps: tuple["ForwardOverlap", ...] = ()
     handles: list = []
+    quieted = False
 
     @classmethod
     def register(cls, overlap: "ForwardOverlap") -> None:
-        cls.overlaps.add(overlap)
+        if overlap not in cls.overlaps:
+            cls.overlaps += (overlap,)
         if not cls.handles:
             register = nn.modules.module
             cls.handles = [register.register_module_forward_pre_hook(_before_call),
                            register.register_module_forward_hook(_after_call, always_call=True)]
-            # torch warns on each OptimizedModule call while global hooks exist
-            # ("hooks fire an extra time"): ours expect that call.
-            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+            if not cls.quieted:
+                # torch warns on each OptimizedModule call while global hooks
+                # exist ("hooks fire an extra time"): ours expect that call.
+                warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+                cls.quieted = True
 
     @classmethod
     def unregister(cls, overlap: "ForwardOverlap") -> None:
         overlap.finish_pass()  # an optimizer dropped mid-pass leaves no watch behind on this thread
-        cls.overlaps.discard(overlap)
+        cls.overlaps = tuple(o for o in cls.overlaps if o is not overlap)
         if not cls.overlaps:
             for handle in cls.handles:
                 handle.remove()
             cls.handles = []
 
 
+@contextlib.contextmanager
+def hooks_suspended():
+    """Benchmark only: the global hooks removed for a while (the forward as
+    without any overlapping optimizer); nothing may be pending meanwhile."""
+    if any(overlap.pending or overlap.probing for overlap in _Watch.overlaps):
+        raise RuntimeError("hooks_suspended(): a step is pending or a probe runs; wait() first")
+    handles, _Watch.handles = _Watch.handles, []
+    for handle in handles:
+        handle.remove()
+    try:
+        yield
+    finally:
+        if _Watch.overlaps:
+            _Watch.handles = []
+            _Watch.register(_Watch.overlaps[0])
+
+
 def _before_call(module, args):
     if torch.compiler.is_compiling():  # traced into a compiled region: compiled calls wait at their entry
         return None
-    for overlap in list(_Watch.overlaps):
+    for overlap in _Watch.overlaps:
         overlap.on_call(module)
     return None
 
@@ -320,7 +344,7 @@ def _before_call(module, args):
 def _after_call(module, args, output):
     if torch.compiler.is_compiling():
         return None
-    for overlap in list(_Watch.overlaps):
+    for overlap in _Watch.overlaps:
         overlap.on_return(module)
     return None
 

@@ -13,7 +13,7 @@ import torch
 
 from .. import built_with_cuda
 from .model import PRESETS, GPTConfig
-from .report import Progress, table, write_json, write_plot, write_timeline
+from .report import Progress, overlap_check_costs, table, write_json, write_plot, write_timeline
 from .runner import STATE_MODES, make_modes, measure_bandwidth, run_mode, torchao_offload_class
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -197,6 +197,7 @@ def main(argv=None) -> int:
     if args.overlap:
         print("loop train step: zero_grad, forward and backward, and step() over the timed steps back to back, "
               "synchronised once at the end (an overlapped step runs beside the next forward).")
+        print(overlap_check_costs(rows))
     report = {"environment": environment(device, bandwidth),
               "model": {"preset": preset, "params": config.param_count(), "dtype": args.dtype,
                         "batch_size": args.batch_size, **config.as_dict()},

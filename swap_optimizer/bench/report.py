@@ -71,6 +71,28 @@ def table(rows: list[dict], cpu: bool) -> str:
     return "\n".join(lines)
 
 
+def overlap_check_costs(rows: list[dict]) -> str:
+    """What overlap_forward's checks cost the forward, per overlapped mode:
+    its hooks installed and idle, and a pass whose step already finished
+    (every call compared with the probe's; the waits find everything ready),
+    against the same forward before the optimizer existed."""
+    lines = ["| overlapped mode | forward ms (device / host call) | hooks idle | vs | pass pending | vs |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        costs = r.get("forward_seconds")
+        if not costs:
+            continue
+        plain = costs["plain"]
+        cells = [f"{plain['device'] * 1e3:,.2f} / {plain['host'] * 1e3:,.2f}"]
+        for key in ("hooks_idle", "pass_pending"):
+            cost = costs[key]
+            cells += [f"{cost['device'] * 1e3:,.2f} / {cost['host'] * 1e3:,.2f}",
+                      f"{cost['device'] / plain['device']:.3f} / {cost['host'] / plain['host']:.3f}"]
+        lines.append("| " + " | ".join([r["mode"]] + cells) + " |")
+    return "\n".join(["forward (no grad) with overlap_forward's checks: median seconds on the device and of the host "
+                      "call, against the plain forward"] + lines)
+
+
 def write_json(path: str, report: dict) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=2)

@@ -7,6 +7,7 @@ weights) setting, or a peer (torchao's CPUOffloadOptimizer, when importable).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -16,6 +17,7 @@ import torch
 
 from .. import _C
 from ..optimizer import SwapOptimizer
+from ..overlap import hooks_suspended
 from .model import GPT, GPTConfig
 
 LR = 3e-4
@@ -172,6 +174,43 @@ def time_training_loop(model: GPT, optimizer, tokens: torch.Tensor, timer: "Time
     return timer(loop)() / iterations
 
 
+def time_overlap_checks(model: GPT, optimizer: SwapOptimizer, tokens: torch.Tensor, timer: "Timer",
+                        repeats: int) -> dict:
+    """What overlap_forward's checks cost a forward (no grad), as medians of
+    interleaved runs: the plain forward (its global hooks suspended), with the
+    hooks installed and nothing pending, and in a pass whose step has already
+    finished (every call is compared with the probe's and its waits find
+    their batches ready). Seconds on the device (the timer) and of the host
+    call (no sync)."""
+    def forward():
+        with torch.no_grad():
+            model(tokens[:, :-1])
+
+    def timed():
+        start = time.perf_counter()
+        elapsed = timer(forward)
+        return time.perf_counter() - start, elapsed
+
+    def finished_pass():
+        optimizer.zero_grad(set_to_none=True)
+        model.loss(tokens).backward()
+        optimizer.step()
+        optimizer._runtime.synchronize()  # the step is done; the pass still checks every call
+
+    samples = {"plain": [], "hooks_idle": [], "pass_pending": []}
+    for _ in range(repeats + 1):  # the first round warms up
+        for key in samples:  # each after the same step, so that caches start alike
+            finished_pass()
+            if key != "pass_pending":
+                optimizer.wait()
+            with hooks_suspended() if key == "plain" else contextlib.nullcontext():
+                samples[key].append(timed())
+    optimizer.wait()
+    return {key: {"host": statistics.median(host for host, _ in runs[1:]),
+                  "device": statistics.median(device() for _, device in runs[1:])}
+            for key, runs in samples.items()}
+
+
 def record_timeline(model: GPT, optimizer: SwapOptimizer, tokens: torch.Tensor, cuda: bool) -> dict:
     """One step and the next forward and backward, with each batch's copies and
     update (the runtime's stamps) and each block's forward, in seconds after
@@ -220,11 +259,11 @@ def run_mode(mode: Mode, config: GPTConfig, dtype: torch.dtype, device: torch.de
     torch.manual_seed(0)
     with torch.device(device):  # built where it trains: a 1.3B model initialised on the CPU takes minutes
         model = GPT(config).to(dtype=dtype)
-    optimizer = build_optimizer(mode, model)
     tokens = torch.randint(0, config.vocab, (batch_size, config.seq_len + 1), device=device,
                            generator=torch.Generator(device=device).manual_seed(1))
     timer = Timer(device)
     cuda = device.type == "cuda"
+    optimizer = build_optimizer(mode, model)
 
     def forward_backward():
         model.loss(tokens).backward()
@@ -256,6 +295,8 @@ def run_mode(mode: Mode, config: GPTConfig, dtype: torch.dtype, device: torch.de
     extra = {}
     if loop:
         extra["loop_step_ms"] = time_training_loop(model, optimizer, tokens, timer, repeats) * 1e3
+    if mode.overlap:
+        extra["forward_seconds"] = time_overlap_checks(model, optimizer, tokens, timer, repeats)
     if timeline and mode.kind == "swap":
         extra["timeline"] = record_timeline(model, optimizer, tokens, cuda)
     two_way = False
