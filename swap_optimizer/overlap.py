@@ -365,7 +365,6 @@ class ForwardOverlap:
         self.params = list(params)
         self.device = params[0].device if params else torch.device("cpu")
         self.plan: Optional[_Plan] = None
-        self.probe_warning: Optional[str] = None  # the last probe's note on reads it could not see
         self.graphed = False     # a CUDA graph captured a forward: later steps complete inside step()
         self.unproven = False    # CUDA: a deferred step no host sync has seen end
         self.watch_captures = self.device.type == "cuda"  # idle calls too: a graph captured before a step
@@ -529,13 +528,11 @@ class ForwardOverlap:
             wait_at[-1] = everything  # the pass ends with the step done
         step_position = max((last[i] for i in unseen), default=-1)
         self.plan = _Plan(list(self.model.modules()), calls, wait_at, step_position, self._probe_compiled)
-        self.probe_warning = None
         if unseen:
-            self.probe_warning = (
-                f"SwapOptimizer(overlap_forward=True): param(s) {self._param_names(unseen)} got grads although no "
-                "read of them was seen during the probe (a Triton or raw-pointer kernel, or a thread of its own?); "
-                "their updates now complete inside step(), before it returns")
-            warnings.warn(self.probe_warning, RuntimeWarning, stacklevel=4)
+            warnings.warn(f"SwapOptimizer(overlap_forward=True): param(s) {self._param_names(unseen)} got grads "
+                          "although no read of them was seen during the probe (a Triton or raw-pointer kernel, or a "
+                          "thread of its own?); their updates now complete inside step(), before it returns",
+                          RuntimeWarning, stacklevel=4)
 
     # --------------------------------------------------------- the pass
     def _runtime(self):
