@@ -495,7 +495,7 @@ def test_cuda_graph_capture_after_wait_is_refused_until_synchronize():
 
 
 @requires_cuda
-def test_a_graph_captured_before_the_first_step_never_races_a_step():
+def test_cuda_graph_captured_before_the_first_step_never_races_a_step():
     """The forward captured before any step (nothing pending: taken), then
     replayed after each step: the steps complete inside step(), so a replay
     on the stream that stepped reads updated params."""

@@ -19,10 +19,12 @@ import io
 
 import pytest
 import torch
+import torch.nn.utils.prune
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import swap_optimizer as so
+from conftest import DEVICES
 
 VOCAB, WIDTH, STEPS = 64, 32, 5
 
@@ -202,11 +204,11 @@ CONTROL_DELAY_US = 4000
 
 
 def run(build, overlap, steps=STEPS, step_loss=loss_of, after_step=None, knock_out=None, unguard=False,
-        unguard_divergence=False):
+        unguard_divergence=False, device="cpu"):
     """Trains `steps` steps; returns the losses and whatever after_step logged,
     then the params and optimizer state."""
     torch.manual_seed(0)
-    model = build()
+    model = build().to(device)
     control = knock_out is not None or unguard or unguard_divergence
     optimizer = make_optimizer(model, overlap, delay_us=CONTROL_DELAY_US if control else 300)
     if overlap and knock_out is not None:
@@ -217,16 +219,16 @@ def run(build, overlap, steps=STEPS, step_loss=loss_of, after_step=None, knock_o
     logged = []
     for step in range(steps):
         optimizer.zero_grad()
-        loss = step_loss(model, tokens_for(step))
+        loss = step_loss(model, tokens_for(step).to(device))
         loss.backward()
         logged.append(loss.detach().clone())
         optimizer.step()
         if after_step is not None:
             logged += [t.detach().clone() for t in after_step(model, optimizer, step)]
     optimizer.wait()
-    params = [p.detach().clone() for p in model.parameters()]
-    state = [v.clone() for p in model.parameters() for v in optimizer.state[p].values()]
-    return logged, params + state
+    params = [p.detach().cpu().clone() for p in model.parameters()]
+    state = [v.cpu().clone() for p in model.parameters() for v in optimizer.state[p].values()]
+    return [t.cpu() for t in logged], params + state
 
 
 def differs(first, second):
@@ -242,41 +244,47 @@ def check_case(build, knock_out, **kwargs):
         "negative control: without the waits that cover this case the results should differ"
 
 
-def test_blocks_in_a_sequential_the_forward_iterates():
-    check_case(SequentialBlocks, lambda m: index_of(m, *m.blocks.parameters()))
+@pytest.mark.parametrize("device", DEVICES)
+def test_blocks_in_a_sequential_the_forward_iterates(device):
+    check_case(SequentialBlocks, lambda m: index_of(m, *m.blocks.parameters()), device=device)
 
 
-def test_a_holder_whose_method_calls_the_inner_model():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_holder_whose_method_calls_the_inner_model(device):
     """The holder is given as model= and never called: the inner model's
     first call waits (here for the embedding), not a hook on the holder."""
     holder_loss = lambda holder, tokens: holder.training_step(tokens)  # noqa: E731
-    check_case(Holder, lambda h: index_of(h, h.model.embed.weight), step_loss=holder_loss)
+    check_case(Holder, lambda h: index_of(h, h.model.embed.weight), step_loss=holder_loss, device=device)
 
 
-def test_a_module_registered_in_a_block_and_read_before_it():
-    check_case(SharedScale, lambda m: index_of(m, m.scale.weight))
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_module_registered_in_a_block_and_read_before_it(device):
+    check_case(SharedScale, lambda m: index_of(m, m.scale.weight), device=device)
 
 
 @pytest.mark.parametrize("layer_scale", [False, True], ids=["plain", "layer_scale_gamma"])
-def test_blocks_called_through_forward(layer_scale):
+@pytest.mark.parametrize("device", DEVICES)
+def test_blocks_called_through_forward(layer_scale, device):
     """No hook of theirs runs: their reads wait at the call before them. With
     a layer-scale gamma (an nn.Parameter of the block itself)."""
-    check_case(lambda: ForwardCalls(layer_scale), lambda m: index_of(m, *m.layers.parameters()))
+    check_case(lambda: ForwardCalls(layer_scale), lambda m: index_of(m, *m.layers.parameters()), device=device)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-def test_timm_checkpoint_seq(use_reentrant):
-    check_case(lambda: CheckpointSeq(use_reentrant), lambda m: index_of(m, *m.blocks.parameters()))
+@pytest.mark.parametrize("device", DEVICES)
+def test_timm_checkpoint_seq(use_reentrant, device):
+    check_case(lambda: CheckpointSeq(use_reentrant), lambda m: index_of(m, *m.blocks.parameters()), device=device)
 
 
-def test_layer_drop_waits_for_the_whole_step_where_the_calls_differ():
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_drop_waits_for_the_whole_step_where_the_calls_differ(device):
     """Odd forwards skip a layer (the probe's forward skipped layer 2): the
     calls differ from the probe's there, and the whole step is waited for at
     that point. Without that wait, layer 2, which the probe never saw called,
     would read its params before their update."""
-    plain = run(LayerDrop, False)
-    assert not differs(plain, run(LayerDrop, True))
-    assert differs(plain, run(LayerDrop, True, unguard_divergence=True))
+    plain = run(LayerDrop, False, device=device)
+    assert not differs(plain, run(LayerDrop, True, device=device))
+    assert differs(plain, run(LayerDrop, True, unguard_divergence=True, device=device))
 
 
 def test_compile_with_fullgraph_after_the_optimizer_was_made():
@@ -290,6 +298,87 @@ def test_compile_with_fullgraph_after_the_optimizer_was_made():
         return loss_of(compiled[id(model)], tokens)
     plain = run(SequentialBlocks, False, step_loss=compiled_loss)
     assert not differs(plain, run(SequentialBlocks, True, step_loss=compiled_loss))
+
+
+class WeightNormed(SequentialBlocks):
+    """fc1 under torch.nn.utils.parametrizations.weight_norm: its weight is
+    computed from two params at every access, inside the call."""
+
+    def __init__(self):
+        super().__init__()
+        for block in self.blocks:
+            torch.nn.utils.parametrizations.weight_norm(block.fc1)
+
+
+class Pruned(SequentialBlocks):
+    """fc2 pruned: a module pre-hook of torch's computes weight from
+    weight_orig and a mask before each call."""
+
+    def __init__(self):
+        super().__init__()
+        for block in self.blocks:
+            torch.nn.utils.prune.random_unstructured(block.fc2, "weight", 0.3)
+
+
+class MaxNormEmbedding(SequentialBlocks):
+    """nn.Embedding(max_norm=...) renormalises rows of its weight in place
+    during the forward: a write that must follow the update."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH, max_norm=1.0)
+
+
+class TwoViews(SequentialBlocks):
+    """The model called twice per step (two views of the batch)."""
+
+    def forward(self, tokens):
+        return super().forward(tokens) + super().forward(torch.flip(tokens, [1]))
+
+
+def eval_then_train(model, tokens):
+    """An evaluation forward (eval mode, no grad) right after step(), then the
+    training forward."""
+    model.eval()
+    with torch.no_grad():
+        loss_of(model, tokens)
+    model.train()
+    return loss_of(model, tokens)
+
+
+@pytest.mark.parametrize("build, step_loss", [(WeightNormed, loss_of), (Pruned, loss_of), (MaxNormEmbedding, loss_of),
+                                              (TwoViews, loss_of), (SequentialBlocks, eval_then_train)],
+                         ids=["weight_norm", "pruning_pre_hook", "embedding_max_norm", "two_views", "eval_then_train"])
+def test_more_model_code(build, step_loss):
+    assert not differs(run(build, False, step_loss=step_loss), run(build, True, step_loss=step_loss))
+
+
+def test_two_overlapping_optimizers_on_one_model():
+    """Two SwapOptimizers (as for Muon on the matrices and AdamW on the rest),
+    each over part of one model, both overlapped: bitwise like neither."""
+    def train(overlap):
+        torch.manual_seed(0)
+        model = SequentialBlocks()
+        params = list(model.parameters())
+        extra = dict(model=model, overlap_forward=True) if overlap else {}
+        optimizers = [so.SwapOptimizer(torch.optim.AdamW(part, lr=3e-3), swap_times=3, num_arenas=2, min_numel=0,
+                                       **extra) for part in (params[::2], params[1::2])]
+        for seed, optimizer in enumerate(optimizers):
+            if overlap:
+                optimizer._set_test_hooks(copy_delay_us=500, seed=seed)
+        logged = []
+        for step in range(STEPS):
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+            loss = loss_of(model, tokens_for(step))
+            loss.backward()
+            logged.append(loss.detach())
+            for optimizer in optimizers:
+                optimizer.step()
+        for optimizer in optimizers:
+            optimizer.wait()
+        return logged, [p.detach().clone() for p in model.parameters()]
+    assert not differs(train(False), train(True))
 
 
 # ---------------------------------------------------------------- reads outside the forward
@@ -322,10 +411,11 @@ def save_after_step(model, optimizer, step):
 
 @pytest.mark.parametrize("after_step", [ema_after_step, norms_after_step, deepcopy_after_step, save_after_step],
                          ids=["averaged_model_ema", "norm_logging", "deepcopy", "torch_save"])
-def test_reads_right_after_step_wait_by_themselves(after_step):
-    plain = run(SequentialBlocks, False, after_step=after_step)
-    assert not differs(plain, run(SequentialBlocks, True, after_step=after_step))
-    assert differs(plain, run(SequentialBlocks, True, after_step=after_step, unguard=True)), \
+@pytest.mark.parametrize("device", DEVICES)
+def test_reads_right_after_step_wait_by_themselves(after_step, device):
+    plain = run(SequentialBlocks, False, after_step=after_step, device=device)
+    assert not differs(plain, run(SequentialBlocks, True, after_step=after_step, device=device))
+    assert differs(plain, run(SequentialBlocks, True, after_step=after_step, unguard=True, device=device)), \
         "negative control: with the watch on ops outside the forward off, the read should see old values"
 
 
@@ -393,13 +483,14 @@ class HiddenScale(SequentialBlocks):
         return self.head(x)
 
 
-def test_reads_the_probe_cannot_see_finish_inside_step():
+@pytest.mark.parametrize("device", DEVICES)
+def test_reads_the_probe_cannot_see_finish_inside_step(device):
     """A param whose grad appears although no read of it was seen is updated
     inside step() from then on, and the user is told which one."""
-    plain = run(HiddenScale, False)
+    plain = run(HiddenScale, False, device=device)
     with pytest.warns(RuntimeWarning, match=r"param\(s\) \d+ \(tail.weight\) got grads although no read"):
-        assert not differs(plain, run(HiddenScale, True))
-    assert differs(plain, run(HiddenScale, True, knock_out=lambda m: index_of(m, m.tail.weight)))
+        assert not differs(plain, run(HiddenScale, True, device=device))
+    assert differs(plain, run(HiddenScale, True, knock_out=lambda m: index_of(m, m.tail.weight), device=device))
 
 
 def test_compiling_the_model_in_place_after_an_overlapped_step_refuses_that_step():
