@@ -290,7 +290,6 @@ class _Watch:
     # overlap keeps only a weak reference to its optimizer.
     overlaps: tuple["ForwardOverlap", ...] = ()
     handles: list = []
-    quieted = False
 
     @classmethod
     def register(cls, overlap: "ForwardOverlap") -> None:
@@ -300,11 +299,10 @@ class _Watch:
             register = nn.modules.module
             cls.handles = [register.register_module_forward_pre_hook(_before_call),
                            register.register_module_forward_hook(_after_call, always_call=True)]
-            if not cls.quieted:
-                # torch warns on each OptimizedModule call while global hooks
-                # exist ("hooks fire an extra time"): ours expect that call.
-                warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-                cls.quieted = True
+        # torch warns on each OptimizedModule call while global hooks exist
+        # ("hooks fire an extra time"): ours expect that call. (An equal filter
+        # replaces the last one: none pile up.)
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
 
     @classmethod
     def unregister(cls, overlap: "ForwardOverlap") -> None:
@@ -369,11 +367,12 @@ class ForwardOverlap:
         self.unproven = False    # CUDA: a deferred step no host sync has seen end
         self.watch_captures = self.device.type == "cuda"  # idle calls too: a graph captured before a step
         self.root_compiled = _compiled_in_place(model)
-        # Tests only (negative controls): params whose waits are left out, ops
-        # outside the forward left unwatched, no wait where calls diverge.
+        # Tests only (negative controls): params whose waits are left out, and
+        # waits switched off by kind: "ops" (outside the model's calls),
+        # "divergence" (where calls differ from the probe's), "compiled" (at a
+        # compiled model's first call).
         self.knocked_out: set[int] = set()
-        self.ops_unguarded = False
-        self.divergence_unguarded = False
+        self.unguarded: set[str] = set()
         self._param_positions: list[int] = []  # per param: the last pipeline position holding it
         self._last_step_deferred = False
         self._set_modules()
@@ -504,8 +503,11 @@ class ForwardOverlap:
                 i = index_of.get(id(p))
                 if i is not None:
                     rank[i] = min(rank[i], call)
-        unseen = [i for i, p in enumerate(self.params)
-                  if p.grad is not None and i not in self._probe_read and i not in self.knocked_out]
+        # Reads inside a compiled region are not seen, and need not be: a
+        # compiled model waits for the whole step at its first call.
+        unseen = [] if self._probe_compiled else \
+            [i for i, p in enumerate(self.params)
+             if p.grad is not None and i not in self._probe_read and i not in self.knocked_out]
         for i in unseen:
             rank[i] = -1
         for i in self.knocked_out:
@@ -635,13 +637,17 @@ class ForwardOverlap:
                 self._refuse_capture()
                 self._note_capture()
             plan = self.plan
-            if wrapper or plan.compiled or (self._index == 0 and self._structure_changed()):
+            if wrapper or plan.compiled:
+                if "compiled" not in self.unguarded:
+                    self._wait_until(self._last_position)
+                return
+            if self._index == 0 and self._structure_changed():
                 return self._wait_until(self._last_position)
             if self._index < len(plan.sequence) and plan.sequence[self._index] is module:
                 position = plan.wait_at[self._index]
                 self._index += 1
                 self._wait_until(position)
-            elif not self.divergence_unguarded:  # not the probe's sequence: wait for everything here
+            elif "divergence" not in self.unguarded:  # not the probe's sequence: wait for everything here
                 self._index = len(plan.sequence)
                 self._wait_until(self._last_position)
 
@@ -683,7 +689,7 @@ class ForwardOverlap:
                     if inside and i not in self._probe_first_inside:
                         self._probe_first_inside[i] = len(self._probe_calls) - 1
                 return
-            if not self.pending or self.ops_unguarded:
+            if not self.pending or "ops" in self.unguarded:
                 return
             if getattr(func, "__name__", "") in _BACKWARD_FUNCTIONS:
                 return self._wait_until(self._last_position)  # backward may write grads the step reads

@@ -186,7 +186,7 @@ def test_the_waits_are_what_keeps_it_right(device):
     optimizer = make_optimizer(model, True, device, delay_us=4000)
     plain = make_optimizer(plain_model, False, device)
     optimizer._overlap.knocked_out = set(range(len(list(model.parameters()))))
-    optimizer._overlap.ops_unguarded = True
+    optimizer._overlap.unguarded = {"ops"}
     logged = train(model, optimizer, 5, device, "plain")
     logged_plain = train(plain_model, plain, 5, device, "plain")
     optimizer.wait()

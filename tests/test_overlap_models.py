@@ -203,19 +203,18 @@ def index_of(model, *params):
 CONTROL_DELAY_US = 4000
 
 
-def run(build, overlap, steps=STEPS, step_loss=loss_of, after_step=None, knock_out=None, unguard=False,
-        unguard_divergence=False, device="cpu"):
+def run(build, overlap, steps=STEPS, step_loss=loss_of, after_step=None, knock_out=None, unguarded=(),
+        device="cpu"):
     """Trains `steps` steps; returns the losses and whatever after_step logged,
     then the params and optimizer state."""
     torch.manual_seed(0)
     model = build().to(device)
-    control = knock_out is not None or unguard or unguard_divergence
+    control = knock_out is not None or bool(unguarded)
     optimizer = make_optimizer(model, overlap, delay_us=CONTROL_DELAY_US if control else 300)
     if overlap and knock_out is not None:
         optimizer._overlap.knocked_out = knock_out(model)
     if overlap:
-        optimizer._overlap.ops_unguarded = unguard
-        optimizer._overlap.divergence_unguarded = unguard_divergence
+        optimizer._overlap.unguarded = set(unguarded)
     logged = []
     for step in range(steps):
         optimizer.zero_grad()
@@ -284,7 +283,7 @@ def test_layer_drop_waits_for_the_whole_step_where_the_calls_differ(device):
     would read its params before their update."""
     plain = run(LayerDrop, False, device=device)
     assert not differs(plain, run(LayerDrop, True, device=device))
-    assert differs(plain, run(LayerDrop, True, unguard_divergence=True, device=device))
+    assert differs(plain, run(LayerDrop, True, unguarded={"divergence"}, device=device))
 
 
 def test_compile_with_fullgraph_after_the_optimizer_was_made():
@@ -298,6 +297,7 @@ def test_compile_with_fullgraph_after_the_optimizer_was_made():
         return loss_of(compiled[id(model)], tokens)
     plain = run(SequentialBlocks, False, step_loss=compiled_loss)
     assert not differs(plain, run(SequentialBlocks, True, step_loss=compiled_loss))
+    assert differs(plain, run(SequentialBlocks, True, step_loss=compiled_loss, unguarded={"compiled", "ops"}))
 
 
 class WeightNormed(SequentialBlocks):
@@ -415,7 +415,7 @@ def save_after_step(model, optimizer, step):
 def test_reads_right_after_step_wait_by_themselves(after_step, device):
     plain = run(SequentialBlocks, False, after_step=after_step, device=device)
     assert not differs(plain, run(SequentialBlocks, True, after_step=after_step, device=device))
-    assert differs(plain, run(SequentialBlocks, True, after_step=after_step, unguard=True, device=device)), \
+    assert differs(plain, run(SequentialBlocks, True, after_step=after_step, unguarded={"ops"}, device=device)), \
         "negative control: with the watch on ops outside the forward off, the read should see old values"
 
 
