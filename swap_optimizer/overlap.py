@@ -158,6 +158,9 @@ class _ReadWatch(TorchFunctionMode):
         super().__init__()
         self._overlap = weakref.ref(overlap)
 
+    def retire(self) -> None:
+        self._overlap = lambda: None
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         overlap = self._overlap()
@@ -275,7 +278,6 @@ class _Plan:
     def __init__(self, modules: list[nn.Module], sequence: list[nn.Module], wait_at: list[int],
                  step_position: int, compiled: bool):
         self.modules = modules
-        self.module_ids = {id(m) for m in modules}
         self.sequence = sequence
         self.wait_at = wait_at
         self.step_position = step_position
@@ -377,7 +379,8 @@ class ForwardOverlap:
         self._last_step_deferred = False
         self._set_modules()
         self._lock = threading.RLock()
-        self._watch_on_stack = False  # the watch is on the stepping thread's mode stack
+        self._watch_on_stack = False  # the watch is on self._watch_thread's mode stack
+        self._watch_thread = None
         self.inside_watch = 0         # the watch's own call is running on the owner (torch keeps it off the stack)
         self._reset_pass()
         self._watch = _ReadWatch(self)
@@ -451,7 +454,7 @@ class ForwardOverlap:
         probe after a whole step."""
         with self._lock:
             self._last_step_deferred = deferred
-            self._pop_watch()
+            self._pop_watch(moving=True)
             self._reset_pass()
             self.owner = threading.get_ident()
             if deferred:
@@ -592,6 +595,7 @@ class ForwardOverlap:
         if not self._watch_on_stack and not self.inside_watch and threading.get_ident() == self.owner:
             _insert_mode(self._watch)
             self._watch_on_stack = True
+            self._watch_thread = self.owner
 
     def _tidy(self) -> None:
         """Takes off a watch left on the stack by a pass that ended inside the
@@ -599,10 +603,19 @@ class ForwardOverlap:
         if self._watch_on_stack and not (self.pending or self.probing):
             self._pop_watch()
 
-    def _pop_watch(self) -> None:
-        if self._watch_on_stack and not self.inside_watch and threading.get_ident() == self.owner:
+    def _pop_watch(self, moving: bool = False) -> None:
+        """Takes the watch off its thread's stack, from that thread; `moving`
+        (step() now runs on another thread): leaves it there, inert."""
+        if not self._watch_on_stack or self.inside_watch:
+            return
+        if threading.get_ident() == self._watch_thread:
             _remove_mode(self._watch)
-            self._watch_on_stack = False
+        elif moving:
+            self._watch.retire()
+            self._watch = _ReadWatch(self)
+        else:
+            return
+        self._watch_on_stack = False
 
     def on_call(self, module: nn.Module) -> None:
         """A module call anywhere (the global pre-hook)."""

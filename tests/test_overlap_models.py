@@ -554,3 +554,31 @@ def test_the_watch_leaves_the_mode_stack_as_it_found_it():
         assert stack_size() == base
     assert stack_size() == 0
     loss_of(model, tokens_for(9))  # the forward after a wait runs with no mode at all
+
+
+def test_training_that_moves_to_another_thread():
+    """Steps 0-2 on one thread, the rest on another (a loop restarted in a
+    worker, say): the watch follows step() to its new thread, bitwise."""
+    import threading
+
+    def train_in_threads(overlap):
+        torch.manual_seed(0)
+        model = SequentialBlocks()
+        optimizer = make_optimizer(model, overlap)
+        logged = []
+
+        def steps(first, last):
+            for step in range(first, last):
+                optimizer.zero_grad()
+                loss = loss_of(model, tokens_for(step))
+                loss.backward()
+                logged.append(loss.detach())
+                optimizer.step()
+                logged.append(torch.stack([p.norm() for p in model.parameters()]))  # a read outside the forward
+        for first, last in ((0, 3), (3, 6)):
+            worker = threading.Thread(target=steps, args=(first, last))
+            worker.start()
+            worker.join()
+        optimizer.wait()
+        return logged, [p.detach().clone() for p in model.parameters()]
+    assert not differs(train_in_threads(False), train_in_threads(True))
