@@ -2,12 +2,14 @@
 transformer trained on stdlib source with every state mode. Low-precision
 moments (bf16, 8-bit) must end within 2% of fp32 AdamW's final loss, and Kahan
 summation (with fp32 or 8-bit moments) within 2% of an fp32 master copy.
-Takes a few minutes on two CPU cores."""
+Takes a few minutes on two CPU cores: the slow tier (pytest tests -m slow)."""
 
 import json
 import math
 import pathlib
 import sys
+
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -22,6 +24,7 @@ COMPARED = {
 }
 
 
+@pytest.mark.slow
 def test_state_modes_train_within_two_percent_of_their_reference(tmp_path, capsys):
     report_path = tmp_path / "parity.json"
     assert state_modes_parity.main(["--out-json", str(report_path)]) == 0
