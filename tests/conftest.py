@@ -4,8 +4,14 @@ import sys
 import pytest
 import torch
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+# `python -m pytest` puts the current directory on sys.path: from a checkout's
+# root that would import its source folder, which has no compiled extension,
+# in place of the installed build.
+sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != ROOT]
 # Shared helpers live beside the tests (pytest runs in importlib mode).
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, TESTS)
 
 import swap_optimizer  # noqa: E402
 

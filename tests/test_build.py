@@ -1,4 +1,7 @@
+import importlib.metadata
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,10 +26,27 @@ def test_importing_the_source_folder_says_the_extension_is_not_built_there(tmp_p
     """A checkout's source folder has no _C; importing it (python run in the repo
     root) names the problem and the fix instead of a circular-import error."""
     import shutil
-    import subprocess
-    import sys
     source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "swap_optimizer")
     shutil.copytree(source, tmp_path / "swap_optimizer", ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
     out = subprocess.run([sys.executable, "-c", "import swap_optimizer"], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode != 0
     assert "the compiled extension (_C) is not built in" in out.stderr and "python -P" in out.stderr
+
+
+def test_the_installed_build_is_the_one_under_test():
+    """The package pip installed, with its compiled extension: never the
+    checkout's source folder (tests/conftest.py keeps it off sys.path)."""
+    dist = importlib.metadata.distribution("swap-optimizer")
+    recorded = [dist.locate_file(f) for f in dist.files or [] if f.as_posix() == "swap_optimizer/__init__.py"]
+    assert recorded, "swap-optimizer is not installed from a wheel: pip install --no-build-isolation ."
+    assert os.path.samefile(swap_optimizer.__file__, recorded[0])
+    assert os.path.dirname(swap_optimizer._C.__file__) == os.path.dirname(swap_optimizer.__file__)
+
+
+def test_python_m_pytest_from_the_checkout_tests_the_installed_build():
+    """`python -m pytest tests` puts the current directory, the checkout's root,
+    on sys.path; it must still test the installed build."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_build.py",
+                          "-k", "installed_build_is_the_one_under_test"], cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]

@@ -2,6 +2,7 @@
 tests/distributed_cases.py (gloo on 127.0.0.1; nccl variants need 2 GPUs)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -9,9 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-CASES = ["fsdp2", "fsdp2_checkpoint", "fsdp2_mixed_precision", "fsdp2_split", "ddp", "ddp_overlap",
-         "ddp_overlap_layer_drop"]
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_cases.py")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(TESTS, "distributed_cases.py")
+with open(SCRIPT) as _source:  # every case the script defines: none can be left out
+    CASES = re.findall(r"^def case_(\w+)\(", _source.read(), flags=re.M)
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch was built without torch.distributed")
 
@@ -32,3 +34,10 @@ def test_two_ranks_gloo(case, tmp_path):
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks_nccl(case, tmp_path):
     run_case(case, "nccl", tmp_path)
+
+
+def test_every_case_is_documented():
+    """docs/distributed.md says what each case checks."""
+    with open(os.path.join(os.path.dirname(TESTS), "docs", "distributed.md")) as doc:
+        documented = re.findall(r"^\| `(\w+)` \|", doc.read(), flags=re.M)
+    assert "fsdp2_8bit" in CASES and sorted(documented) == sorted(CASES)

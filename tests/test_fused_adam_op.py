@@ -7,9 +7,8 @@ Tolerances (asserted below, reported in docs/design.md):
   element within one unit in the last place of the dtype.
 - master weights (bf16 params, fp32 master and states) vs fp32 torch.optim:
   rtol 1e-5, atol 1e-7 on the master; the bf16 param equals the rounded master.
-- CUDA vs CPU: rtol 1e-6, atol 1e-7.
-- Batching, arena placement, CPU instruction set and splitting a param into
-  pieces: bitwise identical.
+- Batching, arena placement, CPU instruction set, CUDA vs CPU and splitting a
+  param into pieces: bitwise identical.
 """
 
 import itertools
@@ -203,29 +202,49 @@ def test_bitwise_identical_across_batchings_and_placements(device, dtype):
             assert torch.equal(a, b)
 
 
+def digest_of_cpu_loops():
+    """Prints the CPU capability torch picked and a digest of params and states
+    after a few steps of the plain loops (fp32 and bf16 params, amsgrad) and
+    of the compact ones (8-bit moments with amsgrad, stochastic bf16 moments,
+    Kahan buffers with 8-bit moments). Run by the test below, once per
+    capability."""
+    import hashlib
+    tensors = random_params([1, 7, 33, 1000, 4097], torch.float32, "cpu", 3) + \
+        random_params([9, 1001], torch.bfloat16, "cpu", 4)
+    packed = PackedBatches(tensors, [7], amsgrad=True)
+    for step in range(5):
+        packed.step(random_grads(tensors, 3, step), AdamFlags(amsgrad=True))
+    tensors += [packed.state(i, c) for i in range(7) for c in (0, 1, 2)]
+    for dtype, amsgrad, fields in [(torch.float32, True, dict(state_dtype=torch.uint8)),
+                                   (torch.float32, False, dict(state_dtype=torch.bfloat16, rounding_seed=3)),
+                                   (torch.bfloat16, False, dict(state_dtype=torch.uint8, kahan_summation=True))]:
+        params = [p.requires_grad_() for p in random_params([5000, 4097, 300], dtype, "cpu", 5)]
+        optimizer = so.SwapOptimizer(torch.optim.AdamW(params, lr=1e-2, amsgrad=amsgrad), swap_times=2, min_numel=0,
+                                     **fields)
+        for step in range(3):
+            for p, grad in zip(params, random_grads(params, 5, step)):
+                p.grad = grad
+            optimizer.step()
+        tensors += [p.detach() for p in params] + [v for p in params for v in optimizer.state[p].values()]
+    digest = hashlib.sha256(b"".join(t.float().numpy().tobytes() for t in tensors)).hexdigest()
+    print(torch.backends.cpu.get_cpu_capability(), digest)
+
+
 def test_cpu_instruction_sets_agree_bitwise():
-    """The AVX-512, AVX2 and baseline builds of the CPU loops give the same bits."""
-    script = (
-        "import sys, hashlib, torch\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "from packed_reference import *\n"
-        "ps = random_params([1, 7, 33, 1000, 4097], torch.float32, 'cpu', 3)"
-        " + random_params([9, 1001], torch.bfloat16, 'cpu', 4)\n"
-        "pb = PackedBatches(ps, [7], amsgrad=True)\n"
-        "for s in range(5): pb.step(random_grads(ps, 3, s), AdamFlags(amsgrad=True))\n"
-        "print(torch.backends.cpu.get_cpu_capability(),"
-        " hashlib.sha256(b''.join(p.float().numpy().tobytes() for p in ps)).hexdigest())\n"
-    )
+    """The AVX-512, AVX2 and baseline builds of the CPU loops, plain and
+    compact, give the same bits (AVX-512 where the CPU has it)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {tests!r}); import test_fused_adam_op; "
+            f"test_fused_adam_op.{digest_of_cpu_loops.__name__}()")
     digests = {}
     for capability in ["default", "avx2", "avx512"]:
         env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-        # cwd: the tests folder, so `python -c` imports the installed package,
-        # not a source checkout that has no compiled _C.
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        # -P: the installed package, not a checkout's source folder in the current directory.
+        out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         used, digest = out.stdout.split()
         digests[used] = digest
+    assert len(digests) >= 2 and "DEFAULT" in digests, f"fewer than two instruction sets ran: {digests}"
     assert len(set(digests.values())) == 1, digests
 
 
@@ -336,20 +355,37 @@ def test_pieces_of_a_param_match_the_whole_param_bitwise(device, dtype):
             assert torch.equal(part, full[a:b])
 
 
+# param dtype, state dtype (fp32 states come with fp32 masters for 16-bit params)
+CUDA_CPU_CASES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "fp16": (torch.float16, None),
+                  "bf16 masters": (torch.bfloat16, torch.float32), "fp16 masters": (torch.float16, torch.float32)}
+
+
 @requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_cuda_matches_cpu(dtype):
+@pytest.mark.parametrize("case", list(CUDA_CPU_CASES))
+def test_cuda_matches_cpu(case):
+    """The same inputs give the same bits on both devices: params, every state
+    (the fp32 master of a 16-bit param included) and the step counts, with the
+    CUDA kernel's vector accesses (16-byte aligned states) and its scalar ones.
+    Adam's L2 term is the one FMA that CUDA contracts and the CPU rounds
+    explicitly."""
+    dtype, state_dtype = CUDA_CPU_CASES[case]
     flags = AdamFlags(amsgrad=True, decoupled=False)
-    results = {}
-    for device in ["cpu", "cuda"]:
-        params = random_params(SIZES, dtype, device, seed=20)
-        ours = PackedBatches(params, [3, len(params) - 3], amsgrad=True, alignment=4, start=4,
-                             state_dtype=torch.float32, master_weights=True)
-        for step in range(STEPS):
-            ours.step(random_grads(params, 20, step), flags, state_dtype=torch.float32)
-        results[device] = [p.cpu().float() for p in params] + [ours.state(i, 0).cpu() for i in range(len(SIZES))]
-    for a, b in zip(results["cpu"], results["cuda"]):
-        assert_close(b, a, rtol=max(1e-6, ULP.get(dtype, 0)), atol=1e-7)
+    master = state_dtype is not None
+    inputs = random_params(SIZES, dtype, "cpu", seed=20)
+    for alignment, start in ((256, 0), (4, 4)):
+        results = {}
+        for device in ["cpu", "cuda"]:
+            params = [p.to(device, copy=True) for p in inputs]
+            ours = PackedBatches(params, [3, len(params) - 3], amsgrad=True, alignment=alignment, start=start,
+                                 state_dtype=state_dtype, master_weights=master)
+            for step in range(STEPS):
+                grads = [g.to(device) for g in random_grads(inputs, 20, step)]
+                ours.step(grads, flags, state_dtype=state_dtype)
+            states = [ours.state(i, c) for i in range(len(SIZES)) for c in ((0, 1, 2, 3) if master else (0, 1, 2))]
+            results[device] = [t.cpu() for t in params + states] + [ours.steps()]
+        assert len(results["cpu"]) == len(results["cuda"]) == 1 + len(SIZES) * (5 if master else 4)
+        for index, (a, b) in enumerate(zip(results["cpu"], results["cuda"])):
+            assert torch.equal(a, b), f"alignment {alignment}: result {index} differs between CPU and CUDA"
 
 
 def _opcheck_args(device):

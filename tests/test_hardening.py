@@ -413,60 +413,64 @@ def test_reassigned_param_groups_then_load_state_dict_work_as_in_torch():
 
 
 # ------------------------------------------------------------ item 1
-SIGNAL_CASE = r'''
-import io, signal, sys
-import torch
-sys.path.insert(0, {tests!r})
-from swap_training import build_model, swap_optimizer, train
+def checkpoint_from_a_signal_handler(stop):
+    """Run in a subprocess by the test below, so that a deadlock fails it by a
+    timeout instead of hanging the suite."""
+    import io
+    import signal
+    model = build_model("mlp", "cpu")
+    opt = swap_optimizer("adamw", model.parameters(), swap_times=4, min_numel=0)
+    train("mlp", model, opt, 2, "cpu")
+    params = list(model.parameters())
+    before = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    saved, refused = [], []
 
-model = build_model("mlp", "cpu")
-opt = swap_optimizer("adamw", model.parameters(), swap_times=4, min_numel=0)
-train("mlp", model, opt, 2, "cpu")
-params = list(model.parameters())
-before = [{{k: v.clone() for k, v in opt.state[p].items()}} for p in params]
-saved, refused = [], []
+    def on_sigint(signum, frame):  # a checkpoint from the Ctrl-C handler, as users write it
+        buffer = io.BytesIO()
+        torch.save(opt.state_dict(), buffer)
+        saved.append(buffer.getvalue())
+        changes = {"load_state_dict": lambda: opt.load_state_dict(opt.state_dict()),
+                   "add_param_group": lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(300))]}),
+                   "step": opt.step}
+        for name, change in changes.items():
+            with pytest.raises(RuntimeError, match="while step\\(\\) runs"):
+                change()
+            refused.append(name)
+        if stop:
+            raise KeyboardInterrupt
 
-def on_sigint(signum, frame):  # a checkpoint from the Ctrl-C handler, as users write it
-    buffer = io.BytesIO()
-    torch.save(opt.state_dict(), buffer)
-    saved.append(buffer.getvalue())
+    signal.signal(signal.SIGINT, on_sigint)
+    opt._set_test_hooks(fault="interrupt", fault_batch=2)
     try:
-        opt.load_state_dict(opt.state_dict())
-    except RuntimeError as error:
-        refused.append(str(error))
-    if {stop}:
-        raise KeyboardInterrupt
-
-signal.signal(signal.SIGINT, on_sigint)
-opt._set_test_hooks(fault="interrupt", fault_batch=2)
-try:
-    train("mlp", model, opt, 1, "cpu", first_step=2)
-except KeyboardInterrupt:
-    assert {stop}
-after = [{{k: v.clone() for k, v in opt.state[p].items()}} for p in params]
-assert len(saved) == 1 and "while step() runs" in refused[0], refused
-state = torch.load(io.BytesIO(saved[0]), weights_only=True)["state"]
-kinds = []
-for i in range(len(params)):
-    old = all(torch.equal(state[i][k], before[i][k]) for k in before[i])
-    new = all(torch.equal(state[i][k], after[i][k]) for k in after[i])
-    assert old or new, f"param {{i}} is neither wholly old nor wholly new in the handler's checkpoint"
-    kinds.append("old" if old else "new")
-assert kinds[0] == "new" and kinds[-1] == "old", kinds
-print("signal case passed", kinds)
-'''
+        train("mlp", model, opt, 1, "cpu", first_step=2)
+    except KeyboardInterrupt:
+        assert stop
+    after = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    assert len(saved) == 1 and refused == ["load_state_dict", "add_param_group", "step"], refused
+    assert len(opt.param_groups) == 1 and len(opt.state_dict()["state"]) == len(params)
+    assert stop or all(s["step"].item() == 3 for s in after), "the step goes on after the handler"
+    state = torch.load(io.BytesIO(saved[0]), weights_only=True)["state"]
+    kinds = []
+    for i in range(len(params)):
+        old = all(torch.equal(state[i][k], before[i][k]) for k in before[i])
+        new = all(torch.equal(state[i][k], after[i][k]) for k in after[i])
+        assert old or new, f"param {i} is neither wholly old nor wholly new in the handler's checkpoint"
+        kinds.append("old" if old else "new")
+    assert kinds[0] == "new" and kinds[-1] == "old", kinds
+    print("signal case passed", kinds)
 
 
 @pytest.mark.parametrize("stop", [False, True])
 def test_a_signal_handler_saves_a_consistent_checkpoint_during_a_step(stop):
     """A SIGINT handler calling state_dict() while step() runs is served at once
     (no deadlock on the step's lock): each param wholly old or wholly new;
-    load_state_dict there is refused; the step goes on, or stops if the handler
-    raises."""
+    load_state_dict, add_param_group and step there are refused; the step
+    goes on, or stops if the handler raises."""
     import os
     import subprocess
     import sys
-    code = SIGNAL_CASE.format(tests=os.path.dirname(os.path.abspath(__file__)), stop=stop)
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            f"import test_hardening; test_hardening.{checkpoint_from_a_signal_handler.__name__}({stop})")
     # -P: the installed package, not a checkout's source folder in the current directory.
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "signal case passed" in out.stdout, out.stdout + out.stderr[-3000:]

@@ -222,20 +222,32 @@ def test_variants_split_bitwise_like_unsplit(device, variant):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_grad_scaler_skip_step_with_split_params(device):
+    """With unscale_in_step=True GradScaler hands grad_scale and found_inf to
+    step() instead of unscaling itself: the scaled grads are divided in the
+    step, and the inf step is skipped inside the runtime (no piece moves, the
+    step count stays), split or not. A plain AdamW under GradScaler (which
+    unscales the grads and skips the inf step itself) is the reference."""
     results = []
     for swap_times in (1, 8):
         model = build(device)
-        optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=swap_times)
-        scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 10)
+        twin = plain_twin(model, weight_decay=0.1)
+        optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=swap_times, unscale_in_step=True)
+        scalers = [torch.amp.GradScaler(device, init_scale=2.0 ** 10) for _ in range(2)]
         for step in range(4):
-            optimizer.zero_grad()
-            loss = loss_of(model, step, device)
-            if step == 2:
-                loss = loss * float("inf")  # skipped: no piece moves and the step count stays
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            before = snapshot(optimizer, model)
+            for (m, o), scaler in zip(((model, optimizer), twin), scalers):
+                o.zero_grad()
+                loss = loss_of(m, step, device) * (float("inf") if step == 2 else 1.0)
+                scaler.scale(loss).backward()
+                scaler.step(o)
+                scaler.update()
+            if step == 2:  # skipped
+                after = snapshot(optimizer, model)
+                assert all(torch.equal(a, b) for a, b in zip(after[0], before[0]))
+                assert all(torch.equal(a[k], b[k]) for a, b in zip(after[1], before[1]) for k in a)
         assert optimizer.state[model.embed.weight]["step"].item() == 3
+        for p, q in zip(model.parameters(), twin[0].parameters()):
+            assert_close(p, q, **TRAIN_TOL)
         results.append(snapshot(optimizer, model))
     assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))
     assert all(torch.equal(a[k], b[k]) for a, b in zip(results[0][1], results[1][1]) for k in a)
@@ -408,24 +420,34 @@ def test_fault_in_a_step_grad_scaler_skips_tears_nothing(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_params_beside_split_params(device):
     """A param of 0 elements keeps (empty) states and a step count when the
-    plan splits others, and a plain AdamW loads the state dict."""
-    big = torch.randn(200_000, device=device, requires_grad=True)
-    empty = torch.zeros(0, 4, device=device, requires_grad=True)
-    small = torch.randn(3000, device=device, requires_grad=True)
-    optimizer = so.SwapOptimizer(adamw([big, empty, small]), swap_times=8, min_numel=0)
+    plan splits others, and a plain AdamW loaded from the state dict takes
+    the same next step."""
+    generator = torch.Generator().manual_seed(12)
+
+    def random(*shape):
+        return torch.randn(*shape, generator=generator).to(device)
+
+    params = [random(200_000).requires_grad_(), random(0, 4).requires_grad_(), random(3000).requires_grad_()]
+    optimizer = so.SwapOptimizer(adamw(params), swap_times=8, min_numel=0)
     assert optimizer.memory_stats()["split_params"] == 1
-    for step in range(2):
-        for p in (big, empty, small):
-            p.grad = torch.ones_like(p)
+    for _ in range(2):
+        for p in params:
+            p.grad = random(*p.shape)
         optimizer.step()
     state = optimizer.state_dict()["state"]
     assert state[1]["step"].item() == 2 and state[1]["exp_avg"].shape == (0, 4)
-    plain = adamw([big.detach().clone().requires_grad_(), empty.detach().clone().requires_grad_(),
-                   small.detach().clone().requires_grad_()])
+    plain_params = [p.detach().clone().requires_grad_() for p in params]
+    plain = adamw(plain_params, foreach=False)
     plain.load_state_dict(round_trip(optimizer.state_dict()))
-    for p in plain.param_groups[0]["params"]:
-        p.grad = torch.ones_like(p)
+    for p, q in zip(params, plain_params):
+        p.grad = random(*p.shape)
+        q.grad = p.grad.clone()
+    optimizer.step()
     plain.step()
+    for p, q in zip(params, plain_params):
+        assert_close(p, q, **TRAIN_TOL)
+        assert_close(optimizer.state[p]["exp_avg_sq"], plain.state[q]["exp_avg_sq"], **TRAIN_TOL)
+    assert optimizer.state[params[1]]["step"].item() == plain.state[plain_params[1]]["step"].item() == 3
 
 
 @pytest.mark.parametrize("num_arenas", [2, 3])

@@ -102,12 +102,18 @@ def test_wrapping_an_optimizer_that_already_stepped_keeps_its_state(device):
 def test_master_param_is_saved_and_initialised_when_missing(device):
     torch.manual_seed(1)
     params = [torch.randn(2048, device=device, dtype=torch.bfloat16, requires_grad=True)]
+    start = params[0].detach().clone()
     ours = swap_optimizer("adamw", params, master_weights=True, state_dtype=torch.float32)
     params[0].grad = torch.randn_like(params[0])
     ours.step()
+    fp32 = [start.float().requires_grad_()]  # the master follows fp32 AdamW from the same start
+    fp32[0].grad = params[0].grad.float()
+    plain_optimizer("adamw", fp32).step()
     saved = round_trip(ours.state_dict())
     assert saved["state"][0]["master_param"].dtype == torch.float32
+    assert_close(saved["state"][0]["master_param"].to(device), fp32[0].detach(), rtol=1e-5, atol=1e-7)
     assert torch.equal(saved["state"][0]["master_param"].to(device).to(torch.bfloat16), params[0].detach())
+    assert not torch.equal(params[0].detach(), start)
     # A state dict without master copies (from a plain AdamW) starts them from the params.
     del saved["state"][0]["master_param"]
     with torch.no_grad():
@@ -213,8 +219,17 @@ def test_master_copies_follow_params_written_outside_step():
     torch.manual_seed(2)
     model = torch.nn.Linear(64, 64).to(torch.bfloat16)
     ours = swap_optimizer("adamw", model.parameters(), min_numel=16, master_weights=True, state_dtype=torch.float32)
-    model.load_state_dict({k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()})  # resume order
+    loaded = {k: (0.5 + torch.rand_like(v.float())).bfloat16() for k, v in model.state_dict().items()}
+    model.load_state_dict(loaded)  # resume order: the optimizer exists before the weights are loaded
     model(torch.randn(4, 64, dtype=torch.bfloat16)).sum().backward()
     ours.step()
-    assert (model.weight.float() - 0.5).abs().max() < 0.01  # one small step from 0.5, not from the old weights
-    assert torch.equal(ours.state[model.weight]["master_param"].to(torch.bfloat16), model.weight.detach())
+    # One step of fp32 AdamW from the loaded weights, not from the old ones.
+    fp32 = [loaded[name].float().requires_grad_() for name, _ in model.named_parameters()]
+    for q, p in zip(fp32, model.parameters()):
+        q.grad = p.grad.float()
+    plain_optimizer("adamw", fp32).step()
+    for p, q in zip(model.parameters(), fp32):
+        master = ours.state[p]["master_param"]
+        assert_close(master, q.detach(), rtol=1e-5, atol=1e-7)
+        assert torch.equal(master.to(torch.bfloat16), p.detach())
+    assert not torch.equal(model.weight.detach(), loaded["weight"])
