@@ -87,8 +87,8 @@ def test_a_wait_lets_go_of_the_grads_whose_last_batch_it_covers():
     grads = [p.grad for p in params]
     uses = [None if g is None else g._use_count() for g in grads]
     optimizer.step()
-    # Each grad has one reference more: the step's.
-    assert [None if g is None else g._use_count() - 1 for g in grads] == uses
+    # The step holds each grad (the update thread may hold one more while it reads it).
+    assert all(g._use_count() >= u + 1 for g, u in zip(grads, uses) if g is not None)
     assert optimizer.memory_stats()["held_grad_bytes"] == sum(sizes)
     optimizer.zero_grad(set_to_none=True)  # from here only `grads` and the step hold them
     uses = [None if u is None else u - 1 for u in uses]
@@ -105,8 +105,12 @@ def test_a_wait_lets_go_of_the_grads_whose_last_batch_it_covers():
     assert 0 < held < sum(sizes)
     assert optimizer.memory_stats()["held_grad_bytes"] == held
     for index, grad in enumerate(grads):
-        if grad is not None:
-            assert grad._use_count() == uses[index] + (last[index] > middle), f"param {index}"
+        if grad is None:
+            continue
+        if last[index] > middle:  # held (the update thread may hold one more while it reads it)
+            assert grad._use_count() >= uses[index] + 1, f"param {index}"
+        else:  # let go, and never touched again
+            assert grad._use_count() == uses[index], f"param {index}"
 
     runtime.wait_ready(pieces[-1])
     assert grads[head]._use_count() == uses[head]

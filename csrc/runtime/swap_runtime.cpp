@@ -708,6 +708,7 @@ void SwapRuntime::rethrow_failure(const Step& work, std::exception_ptr failure) 
 }
 
 void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
+  const int64_t grad_bytes = work->grad_bytes();  // before the update thread may read the grads
   if (device_.is_cpu()) {
     allocate_arenas();  // held until the step is finished (finish_deferred)
     transport_->open_ready(static_cast<int64_t>(order_.size()));
@@ -743,7 +744,7 @@ void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
       throw;
     }
     deferred_ = work;
-    held_grad_bytes_ = work->grad_bytes();
+    held_grad_bytes_ = grad_bytes;
     return;
   }
   // CUDA: enqueued now on the update stream, which waits for the caller's
@@ -773,7 +774,7 @@ void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
     stats_.staging_bytes = live;  // still in use until the step is waited for
   }
   deferred_ = work;
-  held_grad_bytes_ = work->grad_bytes();
+  held_grad_bytes_ = grad_bytes;
 }
 
 void SwapRuntime::release_deferred_through(int64_t position) {
