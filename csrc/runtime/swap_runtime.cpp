@@ -629,7 +629,7 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
   }
   check_amp_scalar(grad_scale, "grad_scale", device_);
   check_amp_scalar(found_inf, "found_inf", device_);
-  std::vector<at::Tensor> ready(count);
+  std::vector<at::Tensor> checked_grads(count);  // undefined where a param has no grad
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor& param = params[i];
     TORCH_CHECK_VALUE(param.device() == device_ && param.scalar_type() == param_dtype_[i] &&
@@ -650,7 +650,7 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
     TORCH_CHECK_VALUE(grad.device() == device_ && grad.sizes() == param.sizes(),
                       "SwapOptimizer: param ", i, " is ", param.sizes(), " on ", device_,
                       " but its grad is ", grad.sizes(), " on ", grad.device());
-    ready[i] = grad;  // strided grads are copied where the op runs (Step::call_op)
+    checked_grads[i] = grad;  // strided grads are copied where the op runs (Step::call_op)
   }
 
   params_ = params;
@@ -660,7 +660,7 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
     if (scale.has_value()) scale = scale->clone();
     if (inf.has_value()) inf = inf->clone();
   }
-  auto work = std::make_shared<Step>(*this, std::move(ready), group_args, std::move(scale), std::move(inf),
+  auto work = std::make_shared<Step>(*this, std::move(checked_grads), group_args, std::move(scale), std::move(inf),
                                      deferred ? std::function<void()>() : check_interrupt, deferred);
   transport_->stamp(Queue::kCaller, 0);
   if (deferred) {
