@@ -889,11 +889,13 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     @_on_the_optimizer_itself
     def _set_test_hooks(self, copy_delay_us: int = 0, seed: int = 0, fault: Optional[str] = None,
-                        fault_batch: int = -1, simulated_free_bytes: int = -1) -> None:
-        """Tests only: random copy delays (both backends), one injected failure,
-        and arenas allocated as if the device had simulated_free_bytes free."""
+                        fault_batch: int = -1, simulated_free_bytes: int = -1, compute_delay_us: int = 0) -> None:
+        """Tests only: random delays before each copy (copy_delay_us) and on the
+        compute queue before each batch's update (compute_delay_us), on both
+        backends; one injected failure; arenas allocated as if the device had
+        simulated_free_bytes free."""
         self._runtime.set_test_hooks(copy_delay_us=copy_delay_us, seed=seed, fault=fault, fault_batch=fault_batch,
-                                     simulated_free_bytes=simulated_free_bytes)
+                                     simulated_free_bytes=simulated_free_bytes, compute_delay_us=compute_delay_us)
 
     @_on_the_optimizer_itself
     def _batch_plan(self) -> list[dict]:

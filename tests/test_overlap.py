@@ -81,7 +81,7 @@ def make_optimizer(model, overlap, device, compiled=None, delay_us=300, **fields
     extra = dict(model=model if compiled is None else compiled, overlap_forward=True) if overlap else {}
     optimizer = so.SwapOptimizer(inner, swap_times=6, num_arenas=3, min_numel=0, **fields, **extra)
     if overlap:
-        optimizer._set_test_hooks(copy_delay_us=delay_us, seed=5)  # updates lag behind the forward
+        optimizer._set_test_hooks(copy_delay_us=delay_us, compute_delay_us=300, seed=5)  # updates lag behind the forward
     return optimizer
 
 

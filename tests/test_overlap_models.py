@@ -189,7 +189,7 @@ def make_optimizer(model, overlap, delay_us=300):
     extra = dict(model=model, overlap_forward=True) if overlap else {}
     optimizer = so.SwapOptimizer(inner, swap_times=6, num_arenas=3, min_numel=0, **extra)
     if overlap:
-        optimizer._set_test_hooks(copy_delay_us=delay_us, seed=5)  # the updates lag behind the forward
+        optimizer._set_test_hooks(copy_delay_us=delay_us, compute_delay_us=300, seed=5)  # the updates lag
     return optimizer
 
 

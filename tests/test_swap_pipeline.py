@@ -36,6 +36,27 @@ def test_random_copy_delays_change_nothing(num_arenas, device):
                                                   state_tensors(steady, model).values()))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_arenas", [2, 3])
+def test_random_compute_delays_change_nothing(num_arenas, device):
+    """The compute queue also waits a random time before each batch's update (a
+    sleep of the thread running the update on the host backend; a host
+    function on the CUDA compute stream), so the update finishes late: a copy
+    out that did not wait for it would take the old states to the host. On the
+    host backend the update runs inline before its copy out is enqueued, so
+    only the CUDA variant can catch that one."""
+    delayed_model, model = build_model("mlp", device), build_model("mlp", device)
+    delayed = swap_optimizer("adamw", delayed_model.parameters(), swap_times=8, num_arenas=num_arenas, min_numel=0)
+    steady = swap_optimizer("adamw", model.parameters(), swap_times=8, num_arenas=num_arenas, min_numel=0)
+    delayed._set_test_hooks(copy_delay_us=100, compute_delay_us=300, seed=num_arenas)
+    losses = train("mlp", delayed_model, delayed, 100, device)
+    assert torch.equal(losses, train("mlp", model, steady, 100, device))
+    for p, q in zip(delayed_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    assert all(torch.equal(a, b) for a, b in zip(state_tensors(delayed, delayed_model).values(),
+                                                  state_tensors(steady, model).values()))
+
+
 def snapshot(optimizer, model):
     return params_of(model), state_tensors(optimizer, model)
 

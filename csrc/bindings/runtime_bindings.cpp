@@ -190,6 +190,7 @@ void bind_runtime(py::module& module) {
              stats["num_arenas"] = s.num_arenas;
              stats["split_params"] = s.split_params;
              stats["unpinned_host_bytes"] = s.unpinned_host_bytes;
+             stats["held_grad_bytes"] = s.held_grad_bytes;
              // What one swapped param element costs the link, states, scales and step table included.
              stats["bytes_per_param_each_way"] =
                  s.swapped_elements > 0 ? static_cast<double>(self.plan().moved_bytes) / s.swapped_elements : 0.0;
@@ -214,15 +215,18 @@ void bind_runtime(py::module& module) {
           "Forgets torn params once their state has been rewritten (a loaded checkpoint).")
       .def("set_test_hooks",
            [](SwapRuntime& self, int64_t copy_delay_us, uint64_t seed,
-              const std::optional<std::string>& fault, int64_t fault_batch, int64_t simulated_free_bytes) {
-             const runtime::TestHooks hooks{copy_delay_us, seed, parse_fault(fault), fault_batch, simulated_free_bytes};
+              const std::optional<std::string>& fault, int64_t fault_batch, int64_t simulated_free_bytes,
+              int64_t compute_delay_us) {
+             const runtime::TestHooks hooks{copy_delay_us, seed, parse_fault(fault), fault_batch, simulated_free_bytes,
+                                            compute_delay_us};
              py::gil_scoped_release no_gil;  // it may wait for a deferred step
              self.set_test_hooks(hooks);
            },
            py::arg("copy_delay_us") = 0, py::arg("seed") = 0, py::arg("fault") = py::none(),
-           py::arg("fault_batch") = -1, py::arg("simulated_free_bytes") = -1,
-           "Test only: random copy delays (both backends), one injected failure, and arenas allocated as if the "
-           "device had simulated_free_bytes free.");
+           py::arg("fault_batch") = -1, py::arg("simulated_free_bytes") = -1, py::arg("compute_delay_us") = 0,
+           "Test only: random delays of up to copy_delay_us before each copy and of up to compute_delay_us on the "
+           "compute queue before each batch's update (both backends, seeded by seed), one injected failure, and "
+           "arenas allocated as if the device had simulated_free_bytes free.");
 
   module.def("_simulate_pin_failure", &runtime::simulate_pin_failure, py::arg("enabled"),
              "Test only: while enabled, pinning host memory fails as if the driver refused it.");

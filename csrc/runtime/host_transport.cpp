@@ -77,6 +77,17 @@ void HostTransport::set_copy_delay(int64_t max_microseconds, uint64_t seed) {
   });
 }
 
+void HostTransport::set_compute_delay(int64_t max_microseconds, uint64_t seed) {
+  max_compute_delay_us_ = std::max<int64_t>(max_microseconds, 0);
+  compute_random_.seed(seed ^ 0x2545f4914f6cdd1dULL);
+}
+
+void HostTransport::delay_compute() {
+  if (max_compute_delay_us_ == 0) return;
+  std::uniform_int_distribution<int64_t> pick(0, max_compute_delay_us_);
+  std::this_thread::sleep_for(std::chrono::microseconds(pick(compute_random_)));
+}
+
 WorkerQueue* HostTransport::worker(Queue queue) {
   switch (queue) {
     case Queue::kHostToDevice: return to_device_.get();

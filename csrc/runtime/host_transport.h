@@ -51,6 +51,8 @@ class HostTransport final : public Transport {
   ~HostTransport() override;
 
   void set_copy_delay(int64_t max_microseconds, uint64_t seed) override;
+  void set_compute_delay(int64_t max_microseconds, uint64_t seed) override;
+  void delay_compute() override;  // sleeps on the thread running the update
 
   void begin_step() override {}
   void copy_to_device(const StridedCopy& copy) override;
@@ -66,6 +68,7 @@ class HostTransport final : public Transport {
   void mark_ready(int64_t position) override;
   bool wait_ready(int64_t position) override;
   void release_ready() noexcept override;
+  void order_release(int64_t /*position*/) override {}
 
   void enable_stamps(int count) override;
   void stamp(Queue queue, int index) override;
@@ -85,6 +88,8 @@ class HostTransport final : public Transport {
   std::vector<Point> markers_;
   std::shared_ptr<std::function<void(std::mt19937_64&)>> delay_;
   std::mt19937_64 to_device_random_, to_host_random_;  // each touched by its own worker only
+  int64_t max_compute_delay_us_ = 0;
+  std::mt19937_64 compute_random_;  // touched by the thread running the pipeline only
 
   // A deferred step's progress: positions [0, ready_) are updated; released
   // once the step has ended (or failed), which wakes every waiter.

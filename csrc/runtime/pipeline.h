@@ -70,6 +70,13 @@ class Transport {
   virtual void mark_ready(int64_t position) = 0;
   virtual bool wait_ready(int64_t position) = 0;
   virtual void release_ready() noexcept = 0;
+  // Makes the queue the deferred step was enqueued from (its grads and AMP
+  // snapshots were made there) wait for position p's update, so that tensors
+  // made there and read by the updates up to p can be freed now: the caching
+  // allocator then reuses them in that queue's order, after the updates. CUDA:
+  // a stream wait, skipped where that stream already waited for p or later;
+  // host: nothing (the caller blocked in wait_ready until p's update ran).
+  virtual void order_release(int64_t position) = 0;
 
   // Timeline stamps (the benchmark's plot): enable_stamps(n) keeps n of them
   // (0: off), stamp(queue, i) notes when `queue` reaches that point, and
@@ -78,9 +85,14 @@ class Transport {
   virtual void enable_stamps(int count) = 0;
   virtual void stamp(Queue queue, int index) = 0;
   virtual std::vector<double> stamp_seconds() = 0;
-  // Test hook: each copy first waits a random 0..max_microseconds on its queue,
-  // to expose missing waits. 0 turns it off.
+  // Test hooks, to expose missing waits; 0 turns each off. Copy delay: each
+  // copy first waits a random 0..max_microseconds on its queue. Compute delay:
+  // delay_compute() makes the compute queue wait a random 0..max_microseconds
+  // (called before each batch's update), so a copy out or a caller that does
+  // not wait for the update reads the old state.
   virtual void set_copy_delay(int64_t max_microseconds, uint64_t seed) = 0;
+  virtual void set_compute_delay(int64_t max_microseconds, uint64_t seed) = 0;
+  virtual void delay_compute() = 0;
 };
 
 // The per-batch work of one step, supplied by the runtime.

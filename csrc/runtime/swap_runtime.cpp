@@ -15,7 +15,6 @@
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <cmath>
@@ -143,19 +142,51 @@ int64_t smallest_swap_times_for_budget(const std::vector<SlotSpec>& specs, const
 
 class SwapRuntime::Step final : public BatchWork {
  public:
-  // Owns what the update reads, so a deferred step outlives the caller's copies.
+  // Holds what the update reads (grads[i] undefined: param i has none), so a
+  // deferred step outlives the caller's references.
   Step(SwapRuntime& runtime, std::vector<at::Tensor> grads, std::vector<PackedUpdateArgs> group_args,
        std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
        std::function<void()> check_interrupt, bool deferred)
       : runtime_(runtime), grads_(std::move(grads)), group_args_(std::move(group_args)),
         grad_scale_(std::move(grad_scale)), found_inf_(std::move(found_inf)),
-        check_interrupt_(std::move(check_interrupt)), deferred_(deferred) {}
+        check_interrupt_(std::move(check_interrupt)), deferred_(deferred) {
+    has_grad_.reserve(grads_.size());
+    for (const at::Tensor& grad : grads_) has_grad_.push_back(grad.defined());
+  }
 
   std::exception_ptr failure;  // what stopped a deferred step on the update thread
 
-  const std::vector<at::Tensor>& grads() const { return grads_; }
-  const std::optional<at::Tensor>& grad_scale() const { return grad_scale_; }
   const std::optional<at::Tensor>& found_inf() const { return found_inf_; }
+
+  // Bytes of the grads this step holds.
+  int64_t grad_bytes() const {
+    int64_t bytes = 0;
+    for (const at::Tensor& grad : grads_) bytes += grad.defined() ? grad.numel() * grad.element_size() : 0;
+    return bytes;
+  }
+
+  // Drops the grads of the params whose last batch is at a position up to
+  // `position`, and at the last position the AMP snapshots; returns the grad
+  // bytes dropped. Only for what the update has finished reading: on the host
+  // the update thread is still running later positions, which read other
+  // elements of grads_ (and has_grad_, never changed, for the row checks).
+  int64_t release_through(int64_t position) {
+    int64_t bytes = 0;
+    for (; released_through_ < position; ++released_through_) {
+      for (const int64_t slot : runtime_.last_read_at_[released_through_ + 1]) {
+        at::Tensor& grad = grads_[slot];
+        if (!grad.defined()) continue;
+        bytes += grad.numel() * grad.element_size();
+        grad = at::Tensor();
+      }
+    }
+    if (position + 1 == static_cast<int64_t>(runtime_.order_.size())) {
+      grad_scale_.reset();
+      found_inf_.reset();
+    }
+    return bytes;
+  }
+  int64_t released_through() const { return released_through_; }
 
   void stage_in_step_table() override {
     const int64_t bytes = runtime_.plan_.host_region_bytes[kStepTableRegion];
@@ -212,6 +243,7 @@ class SwapRuntime::Step final : public BatchWork {
     progress_ = {position, 0};
     inject(FaultPoint::kUpdate, position, "update");
     Transport& transport = *runtime_.transport_;
+    transport.delay_compute();  // test hook
     transport.stamp(Queue::kCompute, stamp_index(position, kUpdateStamp));
     const int64_t batch = runtime_.order_[position];
     const BatchPlan& plan = runtime_.plan_.batches[batch];
@@ -243,7 +275,7 @@ class SwapRuntime::Step final : public BatchWork {
 
   // Whether the update of `row` of plan batch `batch` has run (its param has a grad and its op call returned).
   bool row_updated(int64_t batch, int64_t row) const {
-    if (!grads_[runtime_.plan_.batches[batch].rows[row].slot].defined()) return false;
+    if (!has_grad_[runtime_.plan_.batches[batch].rows[row].slot]) return false;
     const int64_t position = runtime_.position_of_[batch];
     return position < progress_.first || (position == progress_.first && row < progress_.second);
   }
@@ -274,8 +306,8 @@ class SwapRuntime::Step final : public BatchWork {
     for (int64_t begin = 0; begin < count;) {
       const int64_t first = plan.rows[begin].slot;
       int64_t end = begin + 1;
-      if (grads_[first].defined()) {
-        while (end < count && grads_[plan.rows[end].slot].defined() &&
+      if (has_grad_[first]) {
+        while (end < count && has_grad_[plan.rows[end].slot] &&
                runtime_.group_of_param_[plan.rows[end].slot] == runtime_.group_of_param_[first]) {
           ++end;
         }
@@ -312,7 +344,9 @@ class SwapRuntime::Step final : public BatchWork {
         params.push_back(param.contiguous());
         write_back.emplace_back(param, params.back());
       }
-      grads.push_back(grads_[slot]);
+      // A strided grad: a contiguous copy on the compute queue, freed in its
+      // order after the op (no record_stream, nothing held past this call).
+      grads.push_back(grads_[slot].contiguous());
     }
     fused_adam_packed_op().call(params, grads, arena, layout, runtime_.device_steps_, args.lr, args.beta1,
                                 args.beta2, args.eps, args.weight_decay, args.amsgrad, args.maximize,
@@ -323,6 +357,8 @@ class SwapRuntime::Step final : public BatchWork {
 
   SwapRuntime& runtime_;
   std::vector<at::Tensor> grads_;
+  std::vector<bool> has_grad_;  // grads_[i] was given; fixed, unlike grads_, which release_through empties
+  int64_t released_through_ = -1;  // positions whose grads are dropped
   std::vector<PackedUpdateArgs> group_args_;
   std::optional<at::Tensor> grad_scale_;
   std::optional<at::Tensor> found_inf_;
@@ -426,10 +462,16 @@ void SwapRuntime::adopt_order(std::vector<int64_t> order) {
   slot_of_batch_.clear();
   // Rotating batch r (in pipeline order) uses arena r mod N; the resident batch has a slot of its own.
   int64_t rotating = 0;
+  std::vector<int64_t> last_position(params_.size(), -1);
   for (size_t position = 0; position < order_.size(); ++position) {
     position_of_[order_[position]] = static_cast<int64_t>(position);
-    const bool resident = plan_.batches[order_[position]].resident;
-    slot_of_batch_.push_back(resident ? arena_count_ : static_cast<int>(rotating++ % arena_count_));
+    const BatchPlan& batch = plan_.batches[order_[position]];
+    slot_of_batch_.push_back(batch.resident ? arena_count_ : static_cast<int>(rotating++ % arena_count_));
+    for (const PieceRow& row : batch.rows) last_position[row.slot] = static_cast<int64_t>(position);
+  }
+  last_read_at_.assign(order_.size(), {});
+  for (size_t slot = 0; slot < last_position.size(); ++slot) {
+    if (last_position[slot] >= 0) last_read_at_[last_position[slot]].push_back(static_cast<int64_t>(slot));
   }
 }
 
@@ -587,7 +629,7 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
   }
   check_amp_scalar(grad_scale, "grad_scale", device_);
   check_amp_scalar(found_inf, "found_inf", device_);
-  std::vector<at::Tensor> ready(count);
+  std::vector<at::Tensor> checked_grads(count);  // undefined where a param has no grad
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor& param = params[i];
     TORCH_CHECK_VALUE(param.device() == device_ && param.scalar_type() == param_dtype_[i] &&
@@ -608,7 +650,7 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
     TORCH_CHECK_VALUE(grad.device() == device_ && grad.sizes() == param.sizes(),
                       "SwapOptimizer: param ", i, " is ", param.sizes(), " on ", device_,
                       " but its grad is ", grad.sizes(), " on ", grad.device());
-    ready[i] = grad.contiguous();
+    checked_grads[i] = grad;  // strided grads are copied where the op runs (Step::call_op)
   }
 
   params_ = params;
@@ -618,8 +660,7 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
     if (scale.has_value()) scale = scale->clone();
     if (inf.has_value()) inf = inf->clone();
   }
-  allocate_arenas();
-  auto work = std::make_shared<Step>(*this, std::move(ready), group_args, std::move(scale), std::move(inf),
+  auto work = std::make_shared<Step>(*this, std::move(checked_grads), group_args, std::move(scale), std::move(inf),
                                      deferred ? std::function<void()>() : check_interrupt, deferred);
   transport_->stamp(Queue::kCaller, 0);
   if (deferred) {
@@ -628,6 +669,7 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
     stats_.h2d_bytes = stats_.d2h_bytes = plan_.moved_bytes;
     return;
   }
+  allocate_arenas();
   struct InStep {  // lets synchronize() on this thread (a signal handler) serve without the lock
     SwapRuntime& runtime;
     InStep(SwapRuntime& r, Step& w) : runtime(r) {
@@ -666,15 +708,18 @@ void SwapRuntime::rethrow_failure(const Step& work, std::exception_ptr failure) 
 }
 
 void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
-  transport_->open_ready(static_cast<int64_t>(order_.size()));
+  const int64_t grad_bytes = work->grad_bytes();  // before the update thread may read the grads
   if (device_.is_cpu()) {
+    allocate_arenas();  // held until the step is finished (finish_deferred)
+    transport_->open_ready(static_cast<int64_t>(order_.size()));
     if (!update_thread_) update_thread_ = std::make_unique<WorkerQueue>();
     // The pipeline runs on the update thread with this thread's thread-local
     // state (grad mode, dispatch keys), below Python's dispatch keys: a
     // Python mode active here must not make the update thread need the GIL,
     // which a waiting caller may hold. Its failure is kept for the next wait.
     // The caller's intra-op thread count too (OpenMP's is per thread).
-    auto job = [this, work, state = at::ThreadLocalState(), threads = at::get_num_threads()] {
+    auto job = [this, work = std::shared_ptr<Step>(work), state = at::ThreadLocalState(),
+                threads = at::get_num_threads()]() mutable {
       const at::ThreadLocalStateGuard guard(state);
       const c10::impl::ExcludeDispatchKeyGuard no_python(
           c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
@@ -684,53 +729,67 @@ void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
       } catch (...) {
         work->failure = std::current_exception();
       }
+      // deferred_ is then the last owner: the step, and any grad it still
+      // holds, is freed on a caller's thread, never here (freeing a tensor
+      // whose Python object outlived its last Python reference takes the GIL,
+      // which a thread waiting for this one may hold).
+      work.reset();
       transport_->release_ready();  // wakes every waiter, also after a failure
     };
     try {
       deferred_ticket_ = update_thread_->submit(std::move(job));
     } catch (...) {
       transport_->release_ready();
+      release_arenas();
       throw;
     }
     deferred_ = work;
+    held_grad_bytes_ = grad_bytes;
     return;
   }
   // CUDA: enqueued now on the update stream, which waits for the caller's
-  // stream first; a failure to enqueue shows here.
+  // stream first; a failure to enqueue shows here. The grads and snapshots
+  // stay the caller stream's: the step holds them until a wait has ordered
+  // that stream after their last reader (release_deferred_through).
   transport_->enter_update_queue();
   struct Leave {
     Transport& transport;
     ~Leave() { transport.leave_update_queue(); }
   } leave{*transport_};
-  const c10::Stream update = c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
-  // The caching allocator reuses these only once the update stream has passed this point.
-  for (const at::Tensor& grad : work->grads()) {
-    if (grad.defined()) grad.record_stream(update);
-  }
-  if (work->grad_scale().has_value()) work->grad_scale()->record_stream(update);
-  if (work->found_inf().has_value()) work->found_inf()->record_stream(update);
+  // Allocated on the update stream, which is current: the caching allocator
+  // hands their blocks out again only to later work on that stream.
+  allocate_arenas();
+  transport_->open_ready(static_cast<int64_t>(order_.size()));
   try {
     run_pipeline(*transport_, *work, slot_of_batch_);
   } catch (...) {
     rethrow_failure(*work, std::current_exception());
   }
   if (!options_.keep_arenas) {
-    // The update stream waited for every copy before the step's end: freed in
-    // its order, the arenas return to the allocator when it gets there.
-    for (const at::Tensor& arena : arenas_) arena.record_stream(update);
-    device_steps_.record_stream(update);
+    // The update stream waited for every copy before the step's end, so
+    // freeing them now is in its order: the next deferred step's arenas are
+    // these blocks, however far the host runs ahead.
     const int64_t live = stats_.staging_bytes;
     release_arenas();
     stats_.staging_bytes = live;  // still in use until the step is waited for
   }
   deferred_ = work;
+  held_grad_bytes_ = grad_bytes;
+}
+
+void SwapRuntime::release_deferred_through(int64_t position) {
+  if (position <= deferred_->released_through()) return;
+  transport_->order_release(position);
+  held_grad_bytes_ -= deferred_->release_through(position);
 }
 
 void SwapRuntime::finish_deferred() {
   if (!deferred_) return;
+  if (update_thread_) update_thread_->wait_for(deferred_ticket_);
+  if (!deferred_->failure) release_deferred_through(static_cast<int64_t>(order_.size()) - 1);
   const std::shared_ptr<Step> work = std::move(deferred_);
   deferred_.reset();
-  if (update_thread_) update_thread_->wait_for(deferred_ticket_);
+  held_grad_bytes_ = 0;
   if (work->failure) rethrow_failure(*work, work->failure);
   if (!options_.keep_arenas) release_arenas();
 }
@@ -746,7 +805,11 @@ void SwapRuntime::wait_ready(int64_t position) {
     if (step_pending_) transport_->wait(Queue::kCaller, kStepEndMarker);
     return;
   }
-  if (transport_->wait_ready(position)) finish_deferred();  // the step stopped short of it: raise why
+  if (transport_->wait_ready(position)) {
+    finish_deferred();  // the step stopped short of it: raise why
+    return;
+  }
+  release_deferred_through(position);
 }
 
 bool SwapRuntime::has_deferred_step() const {
@@ -835,6 +898,7 @@ MemoryStats SwapRuntime::memory_stats() const {
   for (const SlotSpec& spec : specs_) stats.swapped_elements += spec.swappable ? spec.numel : 0;
   stats.batches = plan_.rotating_batches;
   stats.num_arenas = arena_count_;
+  stats.held_grad_bytes = held_grad_bytes_;
   return stats;
 }
 
@@ -843,6 +907,7 @@ void SwapRuntime::set_test_hooks(const TestHooks& hooks) {
   finish_deferred();
   hooks_ = hooks;
   transport_->set_copy_delay(hooks.copy_delay_us, hooks.seed);
+  transport_->set_compute_delay(hooks.compute_delay_us, hooks.seed);
 }
 
 int64_t SwapRuntime::global_offset(int64_t param) const {

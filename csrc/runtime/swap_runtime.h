@@ -48,7 +48,7 @@ struct RuntimeOptions {
 struct MemoryStats {
   int64_t host_state_bytes = 0;
   bool pinned = false;
-  int64_t staging_bytes = 0;       // arenas and the device step table, now
+  int64_t staging_bytes = 0;       // arenas and the device step table in use now (a deferred step's: until waited for)
   int64_t peak_staging_bytes = 0;
   int64_t step_table_bytes = 0;    // of the staging: the device step table
   int64_t resident_state_bytes = 0;
@@ -59,18 +59,21 @@ struct MemoryStats {
   int64_t split_params = 0;  // params whose elements are spread over several batches
   int64_t unpinned_host_bytes = 0;  // host store bytes that could not be pinned
   int64_t swapped_elements = 0;     // elements of the params whose states go through staging
+  int64_t held_grad_bytes = 0;      // grads a deferred step still holds (numel * element size of each)
 };
 
-// Test hooks: random copy delays (both backends) and one injected failure.
+// Test hooks: random delays before each copy and before each batch's update
+// (both backends), and one injected failure.
 // kUpdateLastCall fails before the last op call of the batch, after the others ran.
 enum class FaultPoint { kNone, kStageIn, kUpdate, kUpdateLastCall, kInterrupt };
 struct TestHooks {
   int64_t copy_delay_us = 0;
-  uint64_t seed = 0;
+  uint64_t seed = 0;  // of both delays
   FaultPoint fault = FaultPoint::kNone;
   int64_t fault_batch = -1;  // index in pipeline order (the resident batch, if any, is 0)
   // >= 0: allocate arenas as if the device had this many bytes free.
   int64_t simulated_free_bytes = -1;
+  int64_t compute_delay_us = 0;  // the compute queue waits up to this long before each update
 };
 
 // The layout inputs of each param (shared by the runtime and the budget search).
@@ -121,13 +124,18 @@ class SwapRuntime {
   // deferred: enqueue the whole step and return (overlap with the next
   // forward). The updates run on the update queue: a CUDA stream of the
   // transport's, or on the host backend this runtime's update thread, which
-  // runs the pipeline with the caller's thread-local state. The step keeps
-  // what it reads alive (grads and their contiguous copies, the AMP scalars,
-  // which it snapshots, and the arenas: record_stream on CUDA). The caller
-  // must wait before it reads a param (wait_ready, wait_step) or touches a
-  // grad in place. check_interrupt is not run: an interrupt lets the step
-  // complete. A failure shows on CUDA at once (enqueueing fails), on the host
-  // at the next wait_ready / wait_step or other call that needs the step done.
+  // runs the pipeline with the caller's thread-local state. The step holds
+  // the grads it reads and snapshots of the AMP scalars (made on the caller's
+  // queue) until a wait covers their last reader: wait_ready(p) drops the grads
+  // of every param whose last batch is at position p or before (the snapshots
+  // at the last position), wait_step the rest, each in the caller's queue order
+  // (Transport::order_release), so no record_stream is needed. On CUDA the
+  // arenas and the step table are allocated on the update stream and freed in
+  // its order once enqueued. The caller must wait before it reads a param
+  // (wait_ready, wait_step) or touches a grad in place. check_interrupt is not
+  // run: an interrupt lets the step complete. A failure shows on CUDA at once
+  // (enqueueing fails), on the host at the next wait_ready / wait_step or other
+  // call that needs the step done.
   void step(const std::vector<at::Tensor>& params, const std::vector<std::optional<at::Tensor>>& grads,
             const std::vector<PackedUpdateArgs>& group_args,
             const std::optional<at::Tensor>& grad_scale,
@@ -136,9 +144,10 @@ class SwapRuntime {
 
   // The caller's queue waits for the batch at pipeline `position` of a
   // deferred step (CUDA: a stream wait, no host sync; host: blocks), or for
-  // the whole step. Either raises what stopped the step, once. Once the step
-  // is finished (another stream waited), CUDA waits for its end instead; the
-  // host backend has nothing left to wait for.
+  // the whole step, and the step lets go of the grads it has read for good.
+  // Either raises what stopped the step, once. Once the step is finished
+  // (another stream waited), CUDA waits for its end instead; the host backend
+  // has nothing left to wait for.
   void wait_ready(int64_t position);
   void wait_step();
   bool has_deferred_step() const;  // a deferred step not yet waited for
@@ -188,6 +197,7 @@ class SwapRuntime {
   void release_arenas();
   void adopt_order(std::vector<int64_t> order);
   void finish_deferred();
+  void release_deferred_through(int64_t position);
   [[noreturn]] void rethrow_failure(const Step& work, std::exception_ptr failure);
   void enqueue_deferred(const std::shared_ptr<Step>& work);
   at::Tensor arena_for(int64_t batch, int slot) const;
@@ -216,10 +226,12 @@ class SwapRuntime {
   std::vector<int64_t> order_;        // plan batch at each pipeline position
   std::vector<int64_t> position_of_;  // pipeline position of each plan batch
   std::vector<int> slot_of_batch_;    // arena slot of each pipeline position
+  std::vector<std::vector<int64_t>> last_read_at_;  // per position: the params whose last batch it is
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<WorkerQueue> update_thread_;  // host backend, deferred steps; made at the first
   std::shared_ptr<Step> deferred_;              // the deferred step not yet finished, if any
   uint64_t deferred_ticket_ = 0;                // its job on update_thread_
+  std::atomic<int64_t> held_grad_bytes_{0};     // grads it still holds (read by memory_stats without the lock)
   bool timeline_ = false;
   bool pinned_ = false;
   int64_t unpinned_bytes_ = 0;

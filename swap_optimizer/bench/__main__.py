@@ -97,6 +97,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_arguments(p: argparse.ArgumentParser, args) -> None:
+    """The rules on the arguments alone (p.error exits), checked before
+    anything runs; tests/test_gpu_check_script.py holds the GPU check's
+    invocations to them."""
+    if args.plot and not args.plot.endswith(".png"):
+        p.error(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
+    if args.timeline and not args.overlap:
+        p.error("--timeline plots an overlapped step: add --overlap")
+    if args.timeline and not args.timeline.endswith(".png"):
+        p.error(f"--timeline writes a PNG: give a path ending in .png, got {args.timeline}")
+    if args.repeats < 10 and not args.quick:
+        p.error("--repeats must be at least 10: the step time is the median of at least 10 steps")
+
+
 def model_config(args, p: argparse.ArgumentParser) -> tuple[str, GPTConfig]:
     preset = args.preset or ("micro" if args.quick else "tiny")
     base = PRESETS[preset].as_dict()
@@ -147,18 +161,11 @@ def main(argv=None) -> int:
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and not (torch.cuda.is_available() and built_with_cuda()):
         p.error("--device cuda needs a GPU and a CUDA build of swap_optimizer")
-    if args.plot and not args.plot.endswith(".png"):
-        p.error(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
+    check_arguments(p, args)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: pip install matplotlib")
-    if args.timeline and not args.overlap:
-        p.error("--timeline plots an overlapped step: add --overlap")
-    if args.timeline and not args.timeline.endswith(".png"):
-        p.error(f"--timeline writes a PNG: give a path ending in .png, got {args.timeline}")
     if args.timeline and importlib.util.find_spec("matplotlib") is None:
         p.error("--timeline needs matplotlib: pip install matplotlib")
-    if args.repeats < 10 and not args.quick:
-        p.error("--repeats must be at least 10: the step time is the median of at least 10 steps")
     preset, config = model_config(args, p)
     dtype = DTYPES[args.dtype]
     need, free = needed_bytes(config, dtype, args.batch_size), free_bytes(device)
@@ -200,6 +207,7 @@ def main(argv=None) -> int:
         print(overlap_check_costs(rows))
     report = {"environment": environment(device, bandwidth),
               "model": {"preset": preset, "params": config.param_count(), "dtype": args.dtype,
+                        "block_param_bytes": config.block_param_count() * dtype.itemsize,
                         "batch_size": args.batch_size, **config.as_dict()},
               "settings": {"warmup": warmup, "repeats": args.repeats, "swap_times": args.swap_times,
                            "num_arenas": args.num_arenas, "overlap": args.overlap,

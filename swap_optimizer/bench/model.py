@@ -18,11 +18,15 @@ class GPTConfig:
     vocab: int
     seq_len: int
 
+    def block_param_count(self) -> int:
+        """Parameters of one block: qkv, proj, fc, fc2 with biases; two LayerNorms."""
+        h = self.hidden
+        return 12 * h * h + 13 * h
+
     def param_count(self) -> int:
         """Parameters of GPT(config), without building it."""
         h = self.hidden
-        per_block = 12 * h * h + 13 * h  # qkv, proj, fc, fc2 with biases; two LayerNorms
-        return self.vocab * h + self.seq_len * h + self.layers * per_block + 2 * h
+        return self.vocab * h + self.seq_len * h + self.layers * self.block_param_count() + 2 * h
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -160,10 +160,19 @@ def resident_state_bytes(model: GPT) -> int:
     return sum(2 * p.numel() * p.element_size() for p in model.parameters())
 
 
-def time_training_loop(model: GPT, optimizer, tokens: torch.Tensor, timer: "Timer", iterations: int) -> float:
+def time_training_loop(model: GPT, optimizer, tokens: torch.Tensor, timer: "Timer",
+                       iterations: int) -> tuple[float, Optional[int]]:
     """Seconds per training step (zero_grad, forward and backward, step) over
     `iterations` back to back, synchronised once at the end: an overlapped
-    step runs beside the next forward, which a sync per step would forbid."""
+    step runs beside the next forward, which a sync per step would forbid.
+    And on CUDA the loop's peak torch.cuda.max_memory_allocated: with the host
+    running ahead, as in training, what an overlapped step still holds during
+    the next forward and backward shows there (None on the CPU)."""
+    cuda = tokens.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(tokens.device)
+        torch.cuda.reset_peak_memory_stats(tokens.device)
+
     def loop():
         for _ in range(iterations):
             optimizer.zero_grad(set_to_none=True)
@@ -171,7 +180,8 @@ def time_training_loop(model: GPT, optimizer, tokens: torch.Tensor, timer: "Time
             optimizer.step()
         if isinstance(optimizer, SwapOptimizer):
             optimizer.wait()  # the last step's end (CUDA: a stream wait, inside the timed region)
-    return timer(loop)() / iterations
+    seconds = timer(loop)() / iterations  # reading the timer synchronises
+    return seconds, torch.cuda.max_memory_allocated(tokens.device) if cuda else None
 
 
 def time_overlap_checks(model: GPT, optimizer: SwapOptimizer, tokens: torch.Tensor, timer: "Timer",
@@ -294,7 +304,8 @@ def run_mode(mode: Mode, config: GPTConfig, dtype: torch.dtype, device: torch.de
     h2d = d2h = host = 0
     extra = {}
     if loop:
-        extra["loop_step_ms"] = time_training_loop(model, optimizer, tokens, timer, repeats) * 1e3
+        seconds, extra["loop_peak_bytes"] = time_training_loop(model, optimizer, tokens, timer, repeats)
+        extra["loop_step_ms"] = seconds * 1e3
     if mode.overlap:
         extra["forward_seconds"] = time_overlap_checks(model, optimizer, tokens, timer, repeats)
     if timeline and mode.kind == "swap":

@@ -6,9 +6,11 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -21,8 +23,9 @@ namespace {
 
 // The update stream of deferred steps on `device`: made once per process and
 // never destroyed. Not one of torch's pool streams, which a user's side stream
-// may share; not one per runtime, because the caching allocator records events
-// on it for record_stream'ed grads freed long after their runtime is gone.
+// may share; not one per runtime, because the caching allocator keeps the
+// blocks freed on it (the arenas of deferred steps) for this stream, and a
+// runtime made later (add_param_group rebuilds it) reuses them.
 c10::cuda::CUDAStream update_stream(c10::DeviceIndex device) {
   static std::mutex mutex;
   static std::unordered_map<c10::DeviceIndex, cudaStream_t> streams;
@@ -31,6 +34,17 @@ c10::cuda::CUDAStream update_stream(c10::DeviceIndex device) {
   cudaStream_t& stream = streams[device];
   if (stream == nullptr) C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   return c10::cuda::getStreamFromExternal(stream, device);
+}
+
+// Test hooks: `stream` sleeps `microseconds` on the host before its next work
+// (a host function: the host that enqueues does not wait).
+void enqueue_sleep(cudaStream_t stream, int64_t microseconds) {
+  auto delay = std::make_unique<int64_t>(microseconds);
+  C10_CUDA_CHECK(cudaLaunchHostFunc(stream, [](void* us) {
+    const std::unique_ptr<int64_t> owned(static_cast<int64_t*>(us));
+    std::this_thread::sleep_for(std::chrono::microseconds(*owned));
+  }, delay.get()));
+  delay.release();  // the host function owns it now
 }
 
 class CudaTransport final : public Transport {
@@ -75,6 +89,18 @@ class CudaTransport final : public Transport {
     random_.seed(seed);
   }
 
+  void set_compute_delay(int64_t max_microseconds, uint64_t seed) override {
+    drain();
+    max_compute_delay_us_ = max_microseconds;
+    compute_random_.seed(seed ^ 0x2545f4914f6cdd1dULL);
+  }
+
+  void delay_compute() override {
+    if (max_compute_delay_us_ <= 0) return;
+    enqueue_sleep(stream(Queue::kCompute),
+                  std::uniform_int_distribution<int64_t>(0, max_compute_delay_us_)(compute_random_));
+  }
+
   void copy_to_device(const StridedCopy& copy) override { enqueue(copy, cudaMemcpyHostToDevice, to_device_); }
 
   void copy_to_host(const StridedCopy& copy) override { enqueue(copy, cudaMemcpyDeviceToHost, to_host_); }
@@ -92,6 +118,8 @@ class CudaTransport final : public Transport {
   void enter_update_queue() override {
     if (!update_) update_ = update_stream(device_);
     caller_ = c10::cuda::getCurrentCUDAStream(device_);
+    step_queue_ = caller_;
+    step_queue_waited_through_ = -1;
     C10_CUDA_CHECK(cudaEventRecord(caller_event_, caller_->stream()));
     C10_CUDA_CHECK(cudaStreamWaitEvent(update_->stream(), caller_event_, 0));
     c10::cuda::setCurrentCUDAStream(*update_);
@@ -116,11 +144,22 @@ class CudaTransport final : public Transport {
   }
 
   bool wait_ready(int64_t position) override {
-    C10_CUDA_CHECK(cudaStreamWaitEvent(stream(Queue::kCaller), ready_.at(position), 0));
+    const cudaStream_t caller = stream(Queue::kCaller);
+    C10_CUDA_CHECK(cudaStreamWaitEvent(caller, ready_.at(position), 0));
+    if (step_queue_ && caller == step_queue_->stream()) {
+      step_queue_waited_through_ = std::max(step_queue_waited_through_, position);
+    }
     return false;
   }
 
   void release_ready() noexcept override {}
+
+  // Readiness events complete in order (one update stream): waiting for p covers every position before it.
+  void order_release(int64_t position) override {
+    if (!step_queue_ || position <= step_queue_waited_through_) return;
+    C10_CUDA_CHECK(cudaStreamWaitEvent(step_queue_->stream(), ready_.at(position), 0));
+    step_queue_waited_through_ = position;
+  }
 
   void enable_stamps(int count) override {
     drain();
@@ -165,11 +204,7 @@ class CudaTransport final : public Transport {
   // is beyond what cudaMemcpy2DAsync accepts (memPitch, about 2 GiB).
   void enqueue(const StridedCopy& copy, cudaMemcpyKind kind, cudaStream_t stream) {
     if (max_delay_us_ > 0) {  // test hook: the stream sleeps first, as the host backend's workers do
-      auto* delay = new int64_t(std::uniform_int_distribution<int64_t>(0, max_delay_us_)(random_));
-      C10_CUDA_CHECK(cudaLaunchHostFunc(stream, [](void* us) {
-        std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<int64_t*>(us)));
-        delete static_cast<int64_t*>(us);
-      }, delay));
+      enqueue_sleep(stream, std::uniform_int_distribution<int64_t>(0, max_delay_us_)(random_));
     }
     if (copy.rows == 1) {
       C10_CUDA_CHECK(cudaMemcpyAsync(copy.dst, copy.src, copy.width, kind, stream));
@@ -220,6 +255,8 @@ class CudaTransport final : public Transport {
   int64_t max_pitch_ = 0;
   int64_t max_delay_us_ = 0;
   std::mt19937_64 random_;
+  int64_t max_compute_delay_us_ = 0;
+  std::mt19937_64 compute_random_;
   bool started_ = false;
   cudaStream_t to_device_ = nullptr;
   cudaStream_t to_host_ = nullptr;
@@ -230,6 +267,10 @@ class CudaTransport final : public Transport {
   // waits on, and one readiness event per pipeline position.
   std::optional<c10::cuda::CUDAStream> update_;
   std::optional<c10::cuda::CUDAStream> caller_;
+  // The caller's stream of the last deferred step (whose grads and snapshots
+  // it holds until order_release), and the last position it waited for.
+  std::optional<c10::cuda::CUDAStream> step_queue_;
+  int64_t step_queue_waited_through_ = -1;
   cudaEvent_t caller_event_ = nullptr;
   std::vector<cudaEvent_t> ready_;
   std::vector<cudaEvent_t> stamps_;  // timeline (bench only), with timing
