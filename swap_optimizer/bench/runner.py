@@ -191,7 +191,7 @@ def time_overlap_checks(model: GPT, optimizer: SwapOptimizer, tokens: torch.Tens
     hooks installed and nothing pending, and in a pass whose step has already
     finished (every call is compared with the probe's and its waits find
     their batches ready). Seconds on the device (the timer) and of the host
-    call (no sync)."""
+    call (no sync), medians of up to 5 rounds."""
     def forward():
         with torch.no_grad():
             model(tokens[:, :-1])
@@ -208,7 +208,7 @@ def time_overlap_checks(model: GPT, optimizer: SwapOptimizer, tokens: torch.Tens
         optimizer._runtime.synchronize()  # the step is done; the pass still checks every call
 
     samples = {"plain": [], "hooks_idle": [], "pass_pending": []}
-    for _ in range(repeats + 1):  # the first round warms up
+    for _ in range(min(repeats, 5) + 1):  # the first round warms up; 5 rounds: each costs 3 training steps
         for key in samples:  # each after the same step, so that caches start alike
             finished_pass()
             if key != "pass_pending":
