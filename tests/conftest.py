@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -30,3 +31,14 @@ DEVICES = [
     pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=str(CUDA_SKIP_REASON))),
 ]
 requires_cuda = pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=str(CUDA_SKIP_REASON))
+
+
+@pytest.fixture(autouse=True)
+def no_watch_left_behind():
+    """Every test ends with no torch function mode left on the stack: an
+    overlapping SwapOptimizer takes its watch off when its pass ends or when
+    it goes (collected first: a test's optimizers are garbage by then)."""
+    yield
+    if torch._C._len_torch_function_stack():
+        gc.collect()
+    assert torch._C._len_torch_function_stack() == 0, "a SwapOptimizer watch was left on the mode stack"

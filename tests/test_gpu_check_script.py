@@ -48,8 +48,8 @@ def test_it_requires_the_cuda_kernels_and_selects_every_gpu_test():
         gpu_only += re.findall(r"@requires_cuda\n(?:@.*\n)*def (\w+)", source.read_text())
     assert len(gpu_only) >= 5
     for name in gpu_only + ["test_cuda_kernels_compiled_when_torch_is_a_cuda_build",
-                            "test_random_copy_delays_change_nothing[cuda-2]",
-                            "test_random_compute_delays_change_nothing[cuda-2]"]:
+                            "test_random_delays_change_nothing[copies-2-cuda]",
+                            "test_random_delays_change_nothing[updates-2-cuda]"]:
         assert any(word in name for word in words), f"{name} is not selected by -k {words}"
 
 

@@ -1,6 +1,6 @@
 """The pipeline's ordering and failure rules, and its memory accounting.
 
-- Random delays injected into every copy (host backend) change no bit.
+- Random delays injected into every copy and before every update change no bit.
 - A failure at any batch (copy in, update, Ctrl-C between batches) leaves each
   param with its state wholly old or wholly new; the next steps match a plain
   AdamW loaded from that state (rtol 1e-5, atol 1e-6).
@@ -17,40 +17,29 @@ from swap_training import (arena_bytes, assert_train_alike, build_model, params_
 TRAIN_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
+# copies: every copy first waits a random time on its queue (a worker's sleep
+# on the host backend; a host function on the CUDA copy stream). updates: the
+# compute queue also waits before each batch's update (a sleep of the thread
+# running it; a host function on the CUDA compute stream), so a copy out that
+# did not wait for its update would take old states to the host; on the host
+# backend the update runs inline before its copy out is enqueued, so only the
+# CUDA variant can catch that one.
+DELAYS = {"copies": dict(copy_delay_us=300), "updates": dict(copy_delay_us=100, compute_delay_us=300)}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_arenas", [2, 3, 4])
-def test_random_copy_delays_change_nothing(num_arenas, device):
-    """Every copy first waits a random time on its queue (a worker's sleep on the
-    host backend; a host function on the CUDA copy stream): any missing wait
-    would change bits."""
+@pytest.mark.parametrize("delayed_queues", DELAYS)
+def test_random_delays_change_nothing(delayed_queues, num_arenas, device):
+    """Random delays on the queues: any missing wait would change bits."""
     delayed_model, model = build_model("mlp", device), build_model("mlp", device)
     delayed = swap_optimizer("adamw", delayed_model.parameters(), swap_times=8, num_arenas=num_arenas, min_numel=0)
     steady = swap_optimizer("adamw", model.parameters(), swap_times=8, num_arenas=num_arenas, min_numel=0)
-    delayed._set_test_hooks(copy_delay_us=300, seed=num_arenas)
+    delayed._set_test_hooks(seed=num_arenas, **DELAYS[delayed_queues])
     assert delayed.memory_stats()["batches"] == 8
-    losses = train("mlp", delayed_model, delayed, 200, device)
-    assert torch.equal(losses, train("mlp", model, steady, 200, device))
-    for p, q in zip(delayed_model.parameters(), model.parameters()):
-        assert torch.equal(p, q)
-    assert all(torch.equal(a, b) for a, b in zip(state_tensors(delayed, delayed_model).values(),
-                                                  state_tensors(steady, model).values()))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_arenas", [2, 3])
-def test_random_compute_delays_change_nothing(num_arenas, device):
-    """The compute queue also waits a random time before each batch's update (a
-    sleep of the thread running the update on the host backend; a host
-    function on the CUDA compute stream), so the update finishes late: a copy
-    out that did not wait for it would take the old states to the host. On the
-    host backend the update runs inline before its copy out is enqueued, so
-    only the CUDA variant can catch that one."""
-    delayed_model, model = build_model("mlp", device), build_model("mlp", device)
-    delayed = swap_optimizer("adamw", delayed_model.parameters(), swap_times=8, num_arenas=num_arenas, min_numel=0)
-    steady = swap_optimizer("adamw", model.parameters(), swap_times=8, num_arenas=num_arenas, min_numel=0)
-    delayed._set_test_hooks(copy_delay_us=100, compute_delay_us=300, seed=num_arenas)
-    losses = train("mlp", delayed_model, delayed, 100, device)
-    assert torch.equal(losses, train("mlp", model, steady, 100, device))
+    steps = 200 if delayed_queues == "copies" else 100
+    losses = train("mlp", delayed_model, delayed, steps, device)
+    assert torch.equal(losses, train("mlp", model, steady, steps, device))
     for p, q in zip(delayed_model.parameters(), model.parameters()):
         assert torch.equal(p, q)
     assert all(torch.equal(a, b) for a, b in zip(state_tensors(delayed, delayed_model).values(),
