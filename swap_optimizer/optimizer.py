@@ -662,11 +662,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.wait()  # after the closure, whose forward overlapped the last step
         # Ends the pass since the last step (a probe's record becomes the plan);
         # may refuse grads whose forward could not wait for that step.
-        deferred = self._overlap is not None and self._overlap.before_step()
+        if self._overlap is not None:
+            self._overlap.end_pass()
         self._stepping = True  # from here a signal handler may read, not change, the store
         stepped = False
         try:
             self._follow_param_groups("step")
+            deferred = self._overlap is not None and self._overlap.may_defer()  # after any rebuild
             groups = self.param_groups
             group_args = []
             for index, group in enumerate(groups):

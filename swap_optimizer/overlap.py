@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import signal
 import threading
 import warnings
 import weakref
@@ -50,7 +51,6 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._device import DeviceContext
 
 # Methods that read only metadata: they never need a param's update. Attribute
 # getters and setters (p.grad, p.data, p.shape, p.grad = None) are left out by
@@ -59,15 +59,21 @@ _METADATA_METHODS = frozenset({
     "size", "stride", "dim", "ndimension", "numel", "nelement", "storage_offset", "is_contiguous",
     "element_size", "is_floating_point", "is_complex", "is_signed", "get_device", "__len__", "__hash__",
     "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "_is_view",
-    "is_pinned", "is_shared", "__format__", "__repr__", "_set_grad_enabled",
+    "is_pinned", "is_shared", "_set_grad_enabled",
 })
 _ATTRIBUTE_ACCESS = frozenset({"__get__", "__set__", "__delete__"})
+# Attribute accesses that do touch data: `p.data = t` points the param's
+# tensor (which a pending update writes) at t's storage; CUDA's array interface
+# hands a raw pointer to CuPy or Numba.
+_DATA_ATTRIBUTES = frozenset({("__set__", "data"), ("__get__", "__cuda_array_interface__")})
 _BACKWARD_FUNCTIONS = frozenset({"backward", "grad"})  # Tensor.backward, torch.autograd.backward / grad
 
 
 def _needs_data(func) -> bool:
     name = getattr(func, "__name__", "")
-    return name not in _METADATA_METHODS and name not in _ATTRIBUTE_ACCESS
+    if name in _ATTRIBUTE_ACCESS:
+        return (name, getattr(getattr(func, "__self__", None), "__name__", "")) in _DATA_ATTRIBUTES
+    return name not in _METADATA_METHODS
 
 
 def _tensors_in(args, kwargs) -> Iterator[torch.Tensor]:
@@ -125,40 +131,58 @@ class _SpanIndex:
 
 
 def _insert_mode(mode: TorchFunctionMode) -> None:
-    """Pushes `mode` at the bottom of this thread's torch function mode stack
-    (above torch.device contexts, which must stay at the bottom): modes the
-    user enters and leaves meanwhile then pop their own, not this one."""
-    stack = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
-    stack.reverse()
-    devices = 0
-    while devices < len(stack) and isinstance(stack[devices], DeviceContext):
-        devices += 1
-    for entry in stack[:devices] + [mode] + stack[devices:]:
-        torch._C._push_on_torch_function_stack(entry)
-
-
-def _remove_mode(mode: TorchFunctionMode) -> None:
-    """Takes `mode` out of this thread's stack, wherever it is (if it is)."""
+    """Pushes `mode` at the bottom of this thread's torch function mode stack,
+    so that modes entered before it, which leave by popping the top (user
+    modes, `with torch.device(...)`), pop their own: only the default device
+    of torch.set_default_device stays below it, as its exit requires."""
+    default = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
     above = []
-    for _ in range(torch._C._len_torch_function_stack()):
-        entry = torch._C._pop_torch_function_stack()
-        if entry is mode:
-            break
-        above.append(entry)
-    for entry in reversed(above):
-        torch._C._push_on_torch_function_stack(entry)
+    try:
+        while torch._C._len_torch_function_stack() > 0:
+            entry = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
+            if torch._C._len_torch_function_stack() == 1 and entry is default:
+                break
+            above.append(torch._C._pop_torch_function_stack())
+        torch._C._push_on_torch_function_stack(mode)
+    finally:  # also if a signal interrupts: the user's modes go back, in order
+        for entry in reversed(above):
+            torch._C._push_on_torch_function_stack(entry)
+
+
+def _remove_mode(mode: TorchFunctionMode) -> bool:
+    """Takes `mode` out of this thread's stack, wherever it is; whether it was there."""
+    above, found = [], False
+    try:
+        for _ in range(torch._C._len_torch_function_stack()):
+            entry = torch._C._pop_torch_function_stack()
+            if entry is mode:
+                found = True
+                break
+            above.append(entry)
+    finally:
+        for entry in reversed(above):
+            torch._C._push_on_torch_function_stack(entry)
+    return found
 
 
 class _ReadWatch(TorchFunctionMode):
-    """Sees every torch op on the thread that stepped: records reads during
-    the probe, and makes ops outside the model's calls wait while a step is
-    pending."""
+    """Sees every torch op on the thread whose mode stack holds it (the one
+    that stepped): records reads during the probe, and makes ops outside the
+    model's calls wait while a step is pending."""
 
     def __init__(self, overlap: "ForwardOverlap"):
         super().__init__()
         self._overlap = weakref.ref(overlap)
+        self.thread: Optional[int] = None  # whose stack holds it
+        self._running = threading.local()
+
+    def running_here(self) -> bool:
+        """Its own call runs on this thread: torch holds it off the stack until
+        that call returns, so it can be neither taken off nor pushed again."""
+        return getattr(self._running, "depth", 0) > 0
 
     def retire(self) -> None:
+        """Inert from now on (left on a stack it cannot be taken off yet)."""
         self._overlap = lambda: None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -166,19 +190,15 @@ class _ReadWatch(TorchFunctionMode):
         overlap = self._overlap()
         # Under torch.compile this is traced, not run: compiled regions are
         # outside what the watch can see (docs/design.md, limits).
-        if overlap is None or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        # While this runs (func too: backward() runs hooks), torch holds this
-        # mode off the stack and puts it back after: the overlap must neither
-        # take it off nor push it again meanwhile.
-        owner = threading.get_ident() == overlap.owner
-        overlap.inside_watch += owner
+        self._running.depth = getattr(self._running, "depth", 0) + 1
         try:
-            if _needs_data(func):
+            if overlap is not None and _needs_data(func):
                 overlap.on_op(func, args, kwargs)
             return func(*args, **kwargs)
         finally:
-            overlap.inside_watch -= owner
+            self._running.depth -= 1
 
 
 def _is_plain_sequential(module: nn.Module) -> bool:
@@ -271,27 +291,57 @@ def capturing(device: torch.device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
+def _structure(model: nn.Module) -> list[tuple]:
+    """The model's modules and the params each holds directly, by identity
+    (a module replaced, a weight tied or untied), and which are compiled in place."""
+    return [(id(m), _compiled_in_place(m), *(id(p) for p in m._parameters.values() if p is not None))
+            for m in model.modules()]
+
+
 class _Plan:
     """Where an overlapped pass waits, from the probe: the expected sequence of
     module calls, and per call the pipeline position that must be ready."""
 
-    def __init__(self, modules: list[nn.Module], sequence: list[nn.Module], wait_at: list[int],
+    def __init__(self, structure: list[tuple], sequence: list[nn.Module], wait_at: list[int],
                  step_position: int, compiled: bool):
-        self.modules = modules
+        self.structure = structure  # the model as the probe saw it (its modules are held by the sequence)
         self.sequence = sequence
         self.wait_at = wait_at
         self.step_position = step_position
         self.compiled = compiled
 
 
+_HANDLED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+                         if hasattr(signal, name))
+
+
+class _WaitFirst:
+    """A Python signal handler, wrapped while overlapping optimizers live: it
+    first waits for every pending step (a Ctrl-C or a preemption handler may
+    read params, also in the middle of the forward, where nothing else would
+    wait), then runs the handler it wraps."""
+
+    def __init__(self, handler):
+        self.handler = handler
+
+    def __call__(self, signum, frame):
+        for overlap in _Watch.overlaps:
+            overlap.finish_for_signal()
+        return self.handler(signum, frame)
+
+
 class _Watch:
-    """The global module hooks, installed while any overlap lives. They do
-    nothing for modules of no overlapping optimizer's model."""
+    """The global module hooks, installed while any overlap lives (they do
+    nothing for modules of no overlapping optimizer's model), the signal
+    handlers wrapped meanwhile, and watches left on a stack they could not be
+    taken off yet (strays, removed by their thread at its next chance)."""
 
     # Held until their optimizer goes (its finalizer unregisters them); an
     # overlap keeps only a weak reference to its optimizer.
     overlaps: tuple["ForwardOverlap", ...] = ()
     handles: list = []
+    strays: list[_ReadWatch] = []
+    quiet_filter = None
 
     @classmethod
     def register(cls, overlap: "ForwardOverlap") -> None:
@@ -301,19 +351,52 @@ class _Watch:
             register = nn.modules.module
             cls.handles = [register.register_module_forward_pre_hook(_before_call),
                            register.register_module_forward_hook(_after_call, always_call=True)]
-        # torch warns on each OptimizedModule call while global hooks exist
-        # ("hooks fire an extra time"): ours expect that call. (An equal filter
-        # replaces the last one: none pile up.)
-        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+            # torch warns on each OptimizedModule call while global hooks
+            # exist ("hooks fire an extra time"): ours expect that call.
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+            cls.quiet_filter = warnings.filters[0]
 
     @classmethod
     def unregister(cls, overlap: "ForwardOverlap") -> None:
-        overlap.finish_pass()  # an optimizer dropped mid-pass leaves no watch behind on this thread
+        overlap.finish_pass()
+        overlap.drop_watch()  # an optimizer dropped mid-pass leaves no watch behind
         cls.overlaps = tuple(o for o in cls.overlaps if o is not overlap)
-        if not cls.overlaps:
-            for handle in cls.handles:
-                handle.remove()
-            cls.handles = []
+        cls.sweep()
+        if cls.overlaps:
+            return
+        for handle in cls.handles:
+            handle.remove()
+        cls.handles = []
+        if cls.quiet_filter in warnings.filters:
+            warnings.filters.remove(cls.quiet_filter)
+        if threading.current_thread() is threading.main_thread():
+            for signum in _HANDLED_SIGNALS:
+                handler = signal.getsignal(signum)
+                if isinstance(handler, _WaitFirst):
+                    signal.signal(signum, handler.handler)
+
+    @classmethod
+    def wrap_signal_handlers(cls) -> None:
+        """Wraps each Python handler of the usual signals (the default Ctrl-C
+        one included) not wrapped yet: one installed after the last step is
+        wrapped at the next. Only the main thread may set handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in _HANDLED_SIGNALS:
+            handler = signal.getsignal(signum)
+            if callable(handler) and not isinstance(handler, _WaitFirst):
+                signal.signal(signum, _WaitFirst(handler))
+
+    @classmethod
+    def sweep(cls) -> None:
+        """Takes this thread's strays off its stack."""
+        if not cls.strays:
+            return
+        here = threading.get_ident()
+        for watch in list(cls.strays):
+            if watch.thread == here and not watch.running_here():
+                _remove_mode(watch)
+                cls.strays.remove(watch)
 
 
 @contextlib.contextmanager
@@ -336,6 +419,8 @@ def hooks_suspended():
 def _before_call(module, args):
     if torch.compiler.is_compiling():  # traced into a compiled region: compiled calls wait at their entry
         return None
+    if _Watch.strays:
+        _Watch.sweep()
     for overlap in _Watch.overlaps:
         overlap.on_call(module)
     return None
@@ -379,9 +464,6 @@ class ForwardOverlap:
         self._last_step_deferred = False
         self._set_modules()
         self._lock = threading.RLock()
-        self._watch_on_stack = False  # the watch is on self._watch_thread's mode stack
-        self._watch_thread = None
-        self.inside_watch = 0         # the watch's own call is running on the owner (torch keeps it off the stack)
         self._reset_pass()
         self._watch = _ReadWatch(self)
         _Watch.register(self)
@@ -408,17 +490,21 @@ class ForwardOverlap:
                              "those params in another optimizer")
 
     def lay_out(self, params: list[torch.Tensor]) -> None:
-        """A rebuilt store (new params or groups): probe again before overlapping."""
+        """A rebuilt store (new params or groups): probe again before
+        overlapping (a probe under way recorded the old param indices)."""
         self._in_model = {id(p) for p in self.model.parameters()}
         self._check_in_model(params)
+        with self._lock:
+            if self.probing:
+                self.finish_pass()
         self.params = list(params)
         self._set_modules()
         self.plan = None
 
-    def _set_modules(self, modules: Optional[list[nn.Module]] = None) -> None:
+    def _set_modules(self) -> None:
         """The modules whose calls count: the model's (and torch.compile
         wrappers of them, added once seen)."""
-        modules = list(self.model.modules()) if modules is None else modules
+        modules = list(self.model.modules())
         self._modules = {id(m) for m in modules}
         self._wrappers = {id(m) for m in modules if _wrapped_module(m) is not None}
 
@@ -427,10 +513,10 @@ class ForwardOverlap:
         return ", ".join(f"{i} ({names.get(id(self.params[i]), '?')})" for i in indices)
 
     # ------------------------------------------------------- step() side
-    def before_step(self) -> bool:
-        """Ends the pass (after step()'s closure and wait) and decides whether
-        this step may be deferred. Raises when the last deferred step's
-        forward may have read params before their update."""
+    def end_pass(self) -> None:
+        """Ends the pass (in step(), after its closure and wait): a probe's
+        record becomes the plan. Raises when the last deferred step's forward
+        may have read params before their update."""
         with self._lock:
             probed = self.probing
             self.finish_pass()
@@ -447,17 +533,23 @@ class ForwardOverlap:
                         "Zero the grads and run the forward and backward again; from now on this model's steps "
                         "complete inside step(). To overlap with a compiled model, compile it with "
                         "torch.compile(model) and call that (its call waits at entry)")
-            return self.plan is not None and not self.graphed and not self.root_compiled
+
+    def may_defer(self) -> bool:
+        """Whether this step may overlap the next forward (else the pass after
+        it is a probe, or nothing)."""
+        return self.plan is not None and not self.graphed and not self.root_compiled
 
     def after_step(self, deferred: bool, runtime, grads: list[Optional[torch.Tensor]]) -> None:
         """Starts the pass that runs until the next step(): overlapped, or the
         probe after a whole step."""
         with self._lock:
             self._last_step_deferred = deferred
-            self._pop_watch(moving=True)
+            _Watch.sweep()
+            self.drop_watch()  # also when step() now runs on another thread than the last
             self._reset_pass()
             self.owner = threading.get_ident()
             if deferred:
+                _Watch.wrap_signal_handlers()
                 self._begin_overlapped(runtime, grads)
             elif self.plan is None and not self.graphed and not self.root_compiled:
                 self._begin_probe()
@@ -482,7 +574,6 @@ class ForwardOverlap:
         self._set_modules()  # as the probe sees them
         self._probe_calls: list[nn.Module] = []
         self._probe_first_inside: dict[int, int] = {}
-        self._probe_read: set[int] = set()
         self._probe_compiled = any(_compiled_in_place(m) for m in self.model.modules())
         self._spans = _SpanIndex([(p, i) for i, p in enumerate(self.params)], self.device)
         self._push_watch()
@@ -508,9 +599,11 @@ class ForwardOverlap:
                     rank[i] = min(rank[i], call)
         # Reads inside a compiled region are not seen, and need not be: a
         # compiled model waits for the whole step at its first call.
+        # A grad comes from a read; one inside the model's calls that the probe
+        # did not see (another thread, a raw pointer) must finish in step().
         unseen = [] if self._probe_compiled else \
             [i for i, p in enumerate(self.params)
-             if p.grad is not None and i not in self._probe_read and i not in self.knocked_out]
+             if p.grad is not None and i not in self._probe_first_inside and i not in self.knocked_out]
         for i in unseen:
             rank[i] = -1
         for i in self.knocked_out:
@@ -532,11 +625,12 @@ class ForwardOverlap:
         if calls and not self.knocked_out:
             wait_at[-1] = everything  # the pass ends with the step done
         step_position = max((last[i] for i in unseen), default=-1)
-        self.plan = _Plan(list(self.model.modules()), calls, wait_at, step_position, self._probe_compiled)
+        self.plan = _Plan(_structure(self.model), calls, wait_at, step_position, self._probe_compiled)
         if unseen:
             warnings.warn(f"SwapOptimizer(overlap_forward=True): param(s) {self._param_names(unseen)} got grads "
-                          "although no read of them was seen during the probe (a Triton or raw-pointer kernel, or a "
-                          "thread of its own?); their updates now complete inside step(), before it returns",
+                          "although the probe saw no read of them inside a call of the model (the model run on "
+                          "another thread than step(), or a Triton or raw-pointer kernel?); their updates now "
+                          "complete inside step(), before it returns",
                           RuntimeWarning, stacklevel=4)
 
     # --------------------------------------------------------- the pass
@@ -572,7 +666,12 @@ class ForwardOverlap:
             else:
                 runtime.wait_ready(position)
         except BaseException:
-            self.finish_pass()  # the step stopped: nothing more to wait for (the error says why)
+            # The step stopped (the error says why): nothing more to wait for.
+            # Else the wait returned and a signal handler raised after it.
+            if not runtime.has_deferred_step():
+                self.finish_pass()
+            elif self.pending:
+                self._waited = position
             raise
         self._waited = position
         if position >= self._last_position:
@@ -582,6 +681,7 @@ class ForwardOverlap:
         with self._lock:
             if self.pending:
                 self._wait_until(self._last_position)
+            _Watch.sweep()
             self._tidy()
 
     def finish_pass(self) -> None:
@@ -592,30 +692,45 @@ class ForwardOverlap:
         self._pop_watch()  # inside the watch's own call: the next module call or wait takes it off
 
     def _push_watch(self) -> None:
-        if not self._watch_on_stack and not self.inside_watch and threading.get_ident() == self.owner:
-            _insert_mode(self._watch)
-            self._watch_on_stack = True
-            self._watch_thread = self.owner
+        """Puts the watch on the stepping thread's stack (ops outside the
+        model's calls, or the probe's record)."""
+        watch = self._watch
+        if watch.thread is None and threading.get_ident() == self.owner and not watch.running_here():
+            _insert_mode(watch)
+            watch.thread = self.owner
+
+    def _pop_watch(self) -> None:
+        """Takes the watch off its stack, from its thread; not while its own
+        call runs (then _tidy does it at the next module call or wait)."""
+        watch = self._watch
+        if watch.thread is not None and threading.get_ident() == watch.thread and not watch.running_here():
+            _remove_mode(watch)
+            watch.thread = None
 
     def _tidy(self) -> None:
-        """Takes off a watch left on the stack by a pass that ended inside the
-        watch's own call (torch held it off the stack then)."""
-        if self._watch_on_stack and not (self.pending or self.probing):
+        if self._watch.thread is not None and not (self.pending or self.probing):
             self._pop_watch()
 
-    def _pop_watch(self, moving: bool = False) -> None:
-        """Takes the watch off its thread's stack, from that thread; `moving`
-        (step() now runs on another thread): leaves it there, inert."""
-        if not self._watch_on_stack or self.inside_watch:
-            return
-        if threading.get_ident() == self._watch_thread:
-            _remove_mode(self._watch)
-        elif moving:
+    def drop_watch(self) -> None:
+        """Takes the watch off, or, from another thread or inside its own
+        call, leaves it inert to its thread's next sweep and uses a new one."""
+        self._pop_watch()
+        if self._watch.thread is not None:
             self._watch.retire()
+            _Watch.strays.append(self._watch)
             self._watch = _ReadWatch(self)
-        else:
+
+    def finish_for_signal(self) -> None:
+        """From a signal handler, which may run between any two bytecodes of
+        this class: waits for the whole step, then only marks the pass done
+        (the stack is tidied at the next module call or wait)."""
+        if not self.pending:
             return
-        self._watch_on_stack = False
+        runtime = self._runtime()
+        self.pending = False
+        self._spans = None
+        if runtime is not None:
+            runtime.wait_step()  # a failure of the step is raised here, once
 
     def on_call(self, module: nn.Module) -> None:
         """A module call anywhere (the global pre-hook)."""
@@ -665,16 +780,15 @@ class ForwardOverlap:
                 self._wait_until(self._last_position)
 
     def _structure_changed(self) -> bool:
-        """The model's modules are not those the probe saw, or one was
-        compiled in place since: the plan no longer says where reads are."""
-        modules = list(self.model.modules())
-        changed = len(modules) != len(self.plan.modules) or \
-            any(a is not b for a, b in zip(modules, self.plan.modules)) or \
-            any(_compiled_in_place(m) for m in modules)
-        if changed:
-            self.plan = None  # probe again at the next step
-            self._set_modules(modules)
-        return changed
+        """The model's modules, or the params they hold, are not those the
+        probe saw, or a module was compiled in place since: the plan no longer
+        says where reads are (probe again at the next step)."""
+        structure = _structure(self.model)
+        if structure == self.plan.structure:
+            return False
+        self.plan = None
+        self._set_modules()
+        return True
 
     def on_return(self, module: nn.Module) -> None:
         """A module call returned (the global always-called forward hook)."""
@@ -698,7 +812,6 @@ class ForwardOverlap:
             if self.probing:
                 inside = self._depth > 0
                 for i in touched:
-                    self._probe_read.add(i)
                     if inside and i not in self._probe_first_inside:
                         self._probe_first_inside[i] = len(self._probe_calls) - 1
                 return

@@ -16,6 +16,7 @@ watch on ops outside the forward), and the same comparison then fails.
 import copy
 import gc
 import io
+import warnings
 
 import pytest
 import torch
@@ -479,7 +480,7 @@ def test_reads_the_probe_cannot_see_finish_inside_step(device):
     """A param whose grad appears although no read of it was seen is updated
     inside step() from then on, and the user is told which one."""
     plain = run(HiddenScale, False, device=device)
-    with pytest.warns(RuntimeWarning, match=r"param\(s\) \d+ \(tail.weight\) got grads although no read"):
+    with pytest.warns(RuntimeWarning, match=r"param\(s\) \d+ \(tail.weight\) got grads although the probe saw no read"):
         assert not differs(plain, run(HiddenScale, True, device=device))
     assert differs(plain, run(HiddenScale, True, knock_out=lambda m: index_of(m, m.tail.weight), device=device))
 
@@ -573,3 +574,307 @@ def test_training_that_moves_to_another_thread():
         optimizer.wait()
         return logged, [p.detach().clone() for p in model.parameters()]
     assert not differs(train_in_threads(False), train_in_threads(True))
+
+
+# ---------------------------------------------------------------- found by a review: each broke the promise once
+def overlapped_pair(build=SequentialBlocks, delay_us=3000, **fields):
+    """The same model and optimizer twice: plain, and overlapped with long
+    copy and compute delays (reads that do not wait see old values)."""
+    pair = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = build()
+        inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        extra = dict(model=model, overlap_forward=True) if overlap else {}
+        optimizer = so.SwapOptimizer(inner, swap_times=6, num_arenas=3, min_numel=0, **fields, **extra)
+        if overlap:
+            optimizer._set_test_hooks(copy_delay_us=delay_us, compute_delay_us=1000, seed=5)
+        pair.append((model, optimizer))
+    return pair
+
+
+def train_step(model, optimizer, step):
+    optimizer.zero_grad()
+    loss = loss_of(model, tokens_for(step))
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def assert_models_equal(pair):
+    for _, optimizer in pair:
+        optimizer.wait()
+    (model_a, _), (model_b, _) = pair
+    for (name, p), q in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(p, q), f"{name} differs"
+
+
+def test_assigning_data_right_after_step_keeps_the_new_tensor():
+    """`p.data = t` (an EMA swapped in for evaluation) right after step():
+    the pending update must land in the old storage, not in t."""
+    for model, optimizer in overlapped_pair():
+        for step in range(3):
+            train_step(model, optimizer, step)
+        replacement = torch.full(model.head.weight.shape, 7.0)  # full_like(param) would wait: an op on it
+        trained = model.head.weight.data
+        model.head.weight.data = replacement
+        optimizer.wait()
+        assert torch.equal(replacement, torch.full_like(replacement, 7.0))
+        model.head.weight.data = trained
+
+
+@pytest.mark.parametrize("change", ["extend_by_hand", "reassign"])
+def test_param_groups_changed_between_overlapped_steps(change):
+    """Params unfrozen by appending to param_groups by hand (Lightning's
+    finetuning callbacks), or groups reassigned: the store is rebuilt, the
+    next pass probes again, bitwise."""
+    pair = overlapped_pair(lambda: SequentialBlocks(blocks=3))
+    losses = []
+    for model, optimizer in pair:
+        head = list(model.head.parameters())
+        optimizer.param_groups[0]["params"] = [p for p in model.parameters() if all(p is not q for q in head)]
+        optimizer.param_groups[:] = list(optimizer.param_groups)
+        logged = []
+        for step in range(6):
+            if change == "extend_by_hand" and step == 3:
+                optimizer.param_groups[0]["params"].extend(head)
+            if change == "reassign" and step == 3:
+                optimizer.param_groups = [{**optimizer.param_groups[0], "params": list(model.parameters())}]
+            logged.append(train_step(model, optimizer, step))
+        losses.append(torch.stack(logged))
+    assert torch.equal(*losses)
+    assert_models_equal(pair)
+
+
+class HeadFirst(SequentialBlocks):
+    """The head's weight read as the input embedding, inside the model's call:
+    a read only the probe can place."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.extra = nn.Parameter(torch.zeros(()))
+
+    def forward(self, tokens):
+        x = nn.functional.embedding(tokens, self.head.weight)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) + self.extra
+
+
+def test_groups_reordered_and_added_while_the_probe_records():
+    """The probe records reads by param index; groups reordered and a group
+    added during its pass rebuild the store, so that record is dropped and
+    the next pass probes again: bitwise."""
+    losses = []
+    pair = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = HeadFirst()
+        rest = [p for name, p in model.named_parameters() if not name.startswith("head") and name != "extra"]
+        inner = torch.optim.AdamW([{"params": [model.head.weight], "lr": 1e-2}, {"params": rest}], lr=3e-3)
+        extra = dict(model=model, overlap_forward=True) if overlap else {}
+        optimizer = so.SwapOptimizer(inner, swap_times=6, num_arenas=3, min_numel=0, **extra)
+        if overlap:
+            optimizer._set_test_hooks(copy_delay_us=3000, compute_delay_us=1000, seed=5)
+        logged = []
+        for step in range(6):
+            logged.append(train_step(model, optimizer, step))
+            if step == 0:
+                optimizer.param_groups = [optimizer.param_groups[1], optimizer.param_groups[0]]
+                optimizer.add_param_group({"params": [model.extra]})
+            if overlap and step == 1:  # the record of the old layout was dropped: this pass probes anew
+                assert optimizer._overlap.probing and not optimizer._overlap.pending
+        losses.append(torch.stack(logged))
+        pair.append((model, optimizer))
+    assert torch.equal(*losses)
+    assert_models_equal(pair)
+
+
+def test_ctrl_c_in_the_forward_lets_a_checkpoint_see_the_update():
+    """A real Ctrl-C (SIGINT) landing in the forward, where nothing else
+    would wait: the handler waits for the step before KeyboardInterrupt is
+    raised, so a checkpoint taken in `except KeyboardInterrupt` is current."""
+    import signal
+
+    class Interruptible(SequentialBlocks):
+        interrupt = False
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            if self.interrupt:
+                signal.raise_signal(signal.SIGINT)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    checkpoints = []
+    for model, optimizer in overlapped_pair(Interruptible):
+        for step in range(3):
+            train_step(model, optimizer, step)
+        model.interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            loss_of(model, tokens_for(3))
+        checkpoints.append({name: t.clone() for name, t in model.state_dict().items()})
+    for name in checkpoints[0]:
+        assert torch.equal(checkpoints[0][name], checkpoints[1][name]), name
+
+
+def test_ctrl_c_during_a_forward_wait_keeps_the_rest_waiting():
+    """A Ctrl-C while a module call waits (raised from the update thread, as a
+    signal may land on any thread): the state saved in `except` is current,
+    and the run resumed after it trains bitwise like the plain one."""
+    pair = overlapped_pair()
+    plain_model, plain = pair[0]
+    model, optimizer = pair[1]
+    for step in range(3):
+        train_step(plain_model, plain, step)
+        train_step(model, optimizer, step)
+    optimizer._set_test_hooks(fault="interrupt", fault_batch=3, copy_delay_us=3000, seed=1)
+    optimizer.zero_grad()
+    plain.zero_grad()
+    loss_of(model, tokens_for(3)).backward()
+    loss_of(plain_model, tokens_for(3)).backward()
+    with pytest.raises(KeyboardInterrupt):
+        optimizer.step()
+        loss_of(model, tokens_for(4))
+    plain.step()
+    saved = {name: t.clone() for name, t in model.state_dict().items()}
+    plain.wait()
+    for name, value in plain_model.state_dict().items():
+        assert torch.equal(saved[name], value), name
+    optimizer._set_test_hooks(copy_delay_us=3000, seed=2)
+    for step in range(4, 7):
+        train_step(plain_model, plain, step)
+        train_step(model, optimizer, step)
+    assert_models_equal(pair)
+
+
+def test_a_preemption_handler_saving_mid_forward_sees_the_update():
+    """A SIGUSR1 handler (a cluster's preemption notice) installed after the
+    optimizer was made saves the model while the forward runs: it waits first."""
+    import signal
+    saved = []
+
+    class Preempted(SequentialBlocks):
+        preempt = False
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            if self.preempt:
+                signal.raise_signal(signal.SIGUSR1)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        for model, optimizer in overlapped_pair(Preempted):
+            signal.signal(signal.SIGUSR1, lambda signum, frame: saved.append(
+                {name: t.clone() for name, t in model.state_dict().items()}))
+            for step in range(3):
+                train_step(model, optimizer, step)
+            model.preempt = True
+            loss_of(model, tokens_for(3))
+            optimizer.wait()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    for name in saved[0]:
+        assert torch.equal(saved[0][name], saved[1][name]), name
+
+
+def test_step_inside_a_device_context():
+    """`with torch.device(...)` around the loop (its exit pops the top of the
+    mode stack): the watch sits below it, so norms logged after the block are
+    current, and nothing is left behind."""
+    norms = []
+    for model, optimizer in overlapped_pair():
+        for step in range(4):
+            with torch.device("cpu"):
+                train_step(model, optimizer, step)
+            norms.append(torch.stack([p.norm() for p in model.parameters()]))
+    assert torch.equal(torch.stack(norms[:4]), torch.stack(norms[4:]))
+
+
+def test_forward_on_another_thread_than_step():
+    """The forward and backward on a worker thread, step() and norm logging on
+    the main one: the probe sees no read inside the model's calls, so the
+    steps complete inside step() (with a warning), bitwise."""
+    import threading
+
+    class TiedInput(SequentialBlocks):
+        """The head's weight read as the input embedding, inside the model's call."""
+
+        def forward(self, tokens):
+            x = nn.functional.embedding(tokens, self.head.weight)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    logged = []
+    for model, optimizer in overlapped_pair(TiedInput):
+        run_logged = []
+        for step in range(5):
+            box = {}
+
+            def forward_backward():
+                optimizer.zero_grad()
+                box["loss"] = loss_of(model, tokens_for(step))
+                box["loss"].backward()
+            worker = threading.Thread(target=forward_backward)
+            worker.start()
+            worker.join()
+            with warnings.catch_warnings():  # the probe's note that it saw no read
+                warnings.simplefilter("ignore")
+                optimizer.step()
+            run_logged.append(box["loss"].detach())
+            if step == 0:  # norms logged in the probe's pass: reads, but not inside the model's calls
+                run_logged.append(torch.stack([p.norm() for p in model.parameters()]))
+        logged.append(run_logged)
+    assert all(torch.equal(a, b) for a, b in zip(*logged))
+
+
+def test_weights_tied_after_the_probe():
+    """Tying the embedding to the head after the probe (a late tie_weights()):
+    the params the modules hold changed, so the next pass waits for the whole
+    step at its first call and probes again."""
+    class Untied(SequentialBlocks):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    pair = overlapped_pair(Untied)
+    for model, optimizer in pair:
+        for step in range(6):
+            if step == 3:
+                model.embed.weight = model.head.weight
+            train_step(model, optimizer, step)
+    assert_models_equal(pair)
+
+
+def test_printing_a_param_right_after_step_shows_the_update():
+    texts = []
+    for model, optimizer in overlapped_pair():
+        for step in range(3):
+            train_step(model, optimizer, step)
+        texts.append((repr(model.head.weight), f"{model.head.bias[0]:.6f}"))
+    assert texts[0] == texts[1]
+
+
+def test_steps_moved_to_a_worker_thread_leave_nothing_on_the_first():
+    """Steps on the main thread, then on a worker: the watch left on the main
+    thread's stack is taken off by the main thread's next module call."""
+    import threading
+    pair = overlapped_pair()
+    for model, optimizer in pair:
+        for step in range(3):
+            train_step(model, optimizer, step)
+        norms = torch.stack([p.norm() for p in model.parameters()])  # the pass ends inside the watch's call
+        worker = threading.Thread(target=lambda: [train_step(model, optimizer, step) for step in range(3, 5)])
+        worker.start()
+        worker.join()
+        optimizer.wait()
+        loss_of(model, tokens_for(9))  # a module call on the main thread
+        assert torch._C._len_torch_function_stack() == 0
+        assert norms.isfinite().all()
+    assert_models_equal(pair)
