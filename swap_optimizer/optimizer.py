@@ -691,12 +691,16 @@ class SwapOptimizer(torch.optim.Optimizer):
                     self._shown[i] = True
                     state[p] = dict(self._entries[i])
             stepped = True
+            if self._overlap is not None:
+                self._overlap.before_step(deferred)
             self._runtime.step([_local(p) for p in params], grads, group_args, getattr(self, "grad_scale", None),
                                getattr(self, "found_inf", None), deferred=deferred)
             if self._overlap is not None:
                 self._overlap.after_step(deferred, self._runtime, grads)
         finally:
             self._stepping = False
+            if self._overlap is not None:
+                self._overlap.enqueuing = False  # its pass has begun, or step() raised
             # A stopped step leaves each param and its master consistent too.
             # (The step bumps no version counter, deferred or not: any later
             # bump is a write made outside step().)

@@ -471,6 +471,7 @@ class ForwardOverlap:
 
     def _reset_pass(self) -> None:
         self.pending = False        # positions of a deferred step may still be running
+        self.enqueuing = False      # set by before_step(); step() clears it once after_step() has run
         self.probing = False
         self.owner = None           # the thread that called step()
         self._depth = 0             # open calls of the model's modules on that thread
@@ -539,6 +540,15 @@ class ForwardOverlap:
         it is a probe, or nothing)."""
         return self.plan is not None and not self.graphed and not self.root_compiled
 
+    def before_step(self, deferred: bool) -> None:
+        """Just before step() runs: a deferred step is in the runtime from
+        when it is enqueued, before after_step() marks it pending, so signal
+        handlers wait for it from here on (the runtime runs no handler while
+        it enqueues)."""
+        if deferred:
+            _Watch.wrap_signal_handlers()
+            self.enqueuing = True
+
     def after_step(self, deferred: bool, runtime, grads: list[Optional[torch.Tensor]]) -> None:
         """Starts the pass that runs until the next step(): overlapped, or the
         probe after a whole step."""
@@ -549,7 +559,6 @@ class ForwardOverlap:
             self._reset_pass()
             self.owner = threading.get_ident()
             if deferred:
-                _Watch.wrap_signal_handlers()
                 self._begin_overlapped(runtime, grads)
             elif self.plan is None and not self.graphed and not self.root_compiled:
                 self._begin_probe()
@@ -724,7 +733,7 @@ class ForwardOverlap:
         """From a signal handler, which may run between any two bytecodes of
         this class: waits for the whole step, then only marks the pass done
         (the stack is tidied at the next module call or wait)."""
-        if not self.pending:
+        if not (self.pending or self.enqueuing):
             return
         runtime = self._runtime()
         self.pending = False

@@ -410,6 +410,40 @@ def test_interrupt_at_every_batch_lets_the_deferred_step_complete():
         assert_bitwise(snapshot(model, optimizer), snapshot(plain_model, plain))
 
 
+def test_handler_inside_a_whole_step_may_wait_and_save():
+    """A signal handler that runs inside a whole step (the probe's, between
+    batches) calls wait(), synchronize() and state_dict(): they return (no
+    deferred step exists; waiting for the step's own lock never would), and
+    training goes on bitwise."""
+    import faulthandler
+    import signal
+    device = torch.device("cpu")
+    model, plain_model = build(device), build(device)
+    optimizer = make_optimizer(model, True, device)
+    plain = make_optimizer(plain_model, False, device)
+    served = []
+
+    def handler(signum, frame):
+        optimizer.wait()
+        optimizer.synchronize()
+        served.append(optimizer.state_dict())
+
+    previous = signal.signal(signal.SIGINT, handler)
+    faulthandler.dump_traceback_later(120, exit=True)  # a deadlock ends the run, loudly, instead of hanging CI
+    try:
+        optimizer._set_test_hooks(fault="interrupt", fault_batch=2)
+        train(model, optimizer, 1, device, "plain")  # the whole (probe) step: the handler runs inside it
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGINT, previous)
+    optimizer._set_test_hooks()
+    assert len(served) == 1
+    train(plain_model, plain, 1, device, "plain")
+    assert all(torch.equal(a, b) for a, b in zip(train(model, optimizer, 3, device, "plain"),
+                                                 train(plain_model, plain, 3, device, "plain")))
+    assert_bitwise(snapshot(model, optimizer), snapshot(plain_model, plain))
+
+
 @requires_cuda
 def test_cuda_forward_waits_on_the_stream_without_host_sync():
     """On CUDA the hooks' waits are stream waits: step() and the next forward

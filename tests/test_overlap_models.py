@@ -783,6 +783,45 @@ def test_a_preemption_handler_saving_mid_forward_sees_the_update():
         assert torch.equal(saved[0][name], saved[1][name]), name
 
 
+def test_a_signal_while_step_returns_waits_for_the_step_just_enqueued():
+    """A preemption signal whose handler saves the model lands after the
+    runtime enqueued the deferred step but before its pass began (a real
+    signal may land at any bytecode; a profile hook lands it there each time):
+    the handler still waits, and saves the stepped model."""
+    import signal
+    import sys
+    saved = []
+    armed = [False]
+
+    def signal_at_pass_start(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "after_step" and armed[0]:
+            armed[0] = False
+            signal.raise_signal(signal.SIGUSR1)
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        for model, optimizer in overlapped_pair():
+            signal.signal(signal.SIGUSR1, lambda signum, frame: saved.append(
+                {name: t.clone() for name, t in model.state_dict().items()}))
+            for step in range(3):
+                train_step(model, optimizer, step)
+            armed[0] = True
+            before = len(saved)
+            sys.setprofile(signal_at_pass_start)
+            try:
+                train_step(model, optimizer, 3)
+            finally:
+                sys.setprofile(None)
+            if len(saved) == before:  # the plain optimizer has no pass: the signal lands right after its step
+                signal.raise_signal(signal.SIGUSR1)
+            optimizer.wait()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert len(saved) == 2
+    for name in saved[0]:
+        assert torch.equal(saved[0][name], saved[1][name]), name
+
+
 def test_step_inside_a_device_context():
     """`with torch.device(...)` around the loop (its exit pops the top of the
     mode stack): the watch sits below it, so norms logged after the block are

@@ -795,6 +795,7 @@ void SwapRuntime::finish_deferred() {
 }
 
 void SwapRuntime::wait_ready(int64_t position) {
+  if (stepping_thread_ == std::this_thread::get_id()) return;  // see wait_step
   const std::lock_guard<std::mutex> lock(step_mutex_);
   TORCH_CHECK_INDEX(position >= 0 && position < static_cast<int64_t>(order_.size()), "SwapRuntime: no batch at ",
                     "position ", position, " of ", order_.size());
@@ -813,11 +814,16 @@ void SwapRuntime::wait_ready(int64_t position) {
 }
 
 bool SwapRuntime::has_deferred_step() const {
+  if (stepping_thread_ == std::this_thread::get_id()) return false;  // see wait_step
   const std::lock_guard<std::mutex> lock(step_mutex_);
   return deferred_ != nullptr;
 }
 
 void SwapRuntime::wait_step() {
+  // A signal handler inside this thread's own whole step (check_interrupt):
+  // that step began by finishing any deferred one, so nothing is deferred, and
+  // waiting for the step lock it holds would never end.
+  if (stepping_thread_ == std::this_thread::get_id()) return;
   const std::lock_guard<std::mutex> lock(step_mutex_);
   const c10::DeviceGuard guard(device_);
   finish_deferred();

@@ -145,7 +145,9 @@ class SwapRuntime {
   // The caller's queue waits for the batch at pipeline `position` of a
   // deferred step (CUDA: a stream wait, no host sync; host: blocks), or for
   // the whole step, and the step lets go of the grads it has read for good.
-  // Either raises what stopped the step, once. Once the step is finished
+  // Either raises what stopped the step, once. On the thread inside a whole
+  // step (a signal handler run by check_interrupt) there is no deferred step:
+  // they and has_deferred_step() return at once. Once the step is finished
   // (another stream waited), CUDA waits for its end instead; the host backend
   // has nothing left to wait for.
   void wait_ready(int64_t position);
