@@ -425,6 +425,9 @@ class SwapOptimizer(torch.optim.Optimizer):
         DTensors) and fills them from `previous` (param -> state dict), zeros
         where absent."""
         params = self._params()
+        if self._overlap is not None:  # refused before anything is built or written: the old store stays whole
+            _check_overlap_params(params)
+            self._overlap.check_params(params)
         group_of_param = self._group_of_param()
         group_amsgrad = [bool(group["amsgrad"]) for group in self.param_groups]
         index_of = {p: i for i, p in enumerate(params)}
@@ -481,7 +484,6 @@ class SwapOptimizer(torch.optim.Optimizer):
         state.clear()
         state.update((p, dict(entry)) for p, entry, shown in zip(params, self._entries, self._shown) if shown)
         if self._overlap is not None:
-            _check_overlap_params(params)
             self._overlap.lay_out(params)
         self._runtime = runtime
         self._group_sizes = [len(g["params"]) for g in self.param_groups]

@@ -464,6 +464,7 @@ class ForwardOverlap:
         self._last_step_deferred = False
         self._set_modules()
         self._lock = threading.RLock()
+        self.enqueuing = False  # set by before_step(); step() clears it once after_step() has run
         self._reset_pass()
         self._watch = _ReadWatch(self)
         _Watch.register(self)
@@ -471,7 +472,6 @@ class ForwardOverlap:
 
     def _reset_pass(self) -> None:
         self.pending = False        # positions of a deferred step may still be running
-        self.enqueuing = False      # set by before_step(); step() clears it once after_step() has run
         self.probing = False
         self.owner = None           # the thread that called step()
         self._depth = 0             # open calls of the model's modules on that thread
@@ -490,11 +490,15 @@ class ForwardOverlap:
                              "for their update; pass the module whose forward uses every param as model=, or keep "
                              "those params in another optimizer")
 
+    def check_params(self, params: list[torch.Tensor]) -> None:
+        """Refuses params the model does not hold (before a store is built)."""
+        self._in_model = {id(p) for p in self.model.parameters()}
+        self._check_in_model(params)
+
     def lay_out(self, params: list[torch.Tensor]) -> None:
         """A rebuilt store (new params or groups): probe again before
         overlapping (a probe under way recorded the old param indices)."""
-        self._in_model = {id(p) for p in self.model.parameters()}
-        self._check_in_model(params)
+        self.check_params(params)
         with self._lock:
             if self.probing:
                 self.finish_pass()
@@ -705,8 +709,10 @@ class ForwardOverlap:
         model's calls, or the probe's record)."""
         watch = self._watch
         if watch.thread is None and threading.get_ident() == self.owner and not watch.running_here():
-            _insert_mode(watch)
+            # Marked first: an interrupt in or after the insert leaves a watch
+            # that _pop_watch still takes off (removing an absent one is a no-op).
             watch.thread = self.owner
+            _insert_mode(watch)
 
     def _pop_watch(self) -> None:
         """Takes the watch off its stack, from its thread; not while its own
@@ -724,10 +730,12 @@ class ForwardOverlap:
         """Takes the watch off, or, from another thread or inside its own
         call, leaves it inert to its thread's next sweep and uses a new one."""
         self._pop_watch()
-        if self._watch.thread is not None:
-            self._watch.retire()
-            _Watch.strays.append(self._watch)
+        old = self._watch
+        if old.thread is not None:
+            # The new watch first: an interrupt anywhere here leaves self._watch live.
             self._watch = _ReadWatch(self)
+            _Watch.strays.append(old)
+            old.retire()
 
     def finish_for_signal(self) -> None:
         """From a signal handler, which may run between any two bytecodes of
@@ -736,10 +744,10 @@ class ForwardOverlap:
         if not (self.pending or self.enqueuing):
             return
         runtime = self._runtime()
+        if runtime is not None:  # first: a nested signal meanwhile still finds the step pending, and waits too
+            runtime.wait_step()  # a failure of the step is raised here, once
         self.pending = False
         self._spans = None
-        if runtime is not None:
-            runtime.wait_step()  # a failure of the step is raised here, once
 
     def on_call(self, module: nn.Module) -> None:
         """A module call anywhere (the global pre-hook)."""

@@ -783,18 +783,20 @@ def test_a_preemption_handler_saving_mid_forward_sees_the_update():
         assert torch.equal(saved[0][name], saved[1][name]), name
 
 
-def test_a_signal_while_step_returns_waits_for_the_step_just_enqueued():
+@pytest.mark.parametrize("landing", [("call", "after_step"), ("return", "_reset_pass")])
+def test_a_signal_while_step_returns_waits_for_the_step_just_enqueued(landing):
     """A preemption signal whose handler saves the model lands after the
-    runtime enqueued the deferred step but before its pass began (a real
-    signal may land at any bytecode; a profile hook lands it there each time):
-    the handler still waits, and saves the stepped model."""
+    runtime enqueued the deferred step but before its pass began: as the pass
+    starts, or once the old pass is reset (a real signal may land at any
+    bytecode; a profile hook lands it there each time): the handler still
+    waits, and saves the stepped model."""
     import signal
     import sys
     saved = []
     armed = [False]
 
     def signal_at_pass_start(frame, event, arg):
-        if event == "call" and frame.f_code.co_name == "after_step" and armed[0]:
+        if (event, frame.f_code.co_name) == landing and armed[0]:
             armed[0] = False
             signal.raise_signal(signal.SIGUSR1)
 
@@ -820,6 +822,106 @@ def test_a_signal_while_step_returns_waits_for_the_step_just_enqueued():
     assert len(saved) == 2
     for name in saved[0]:
         assert torch.equal(saved[0][name], saved[1][name]), name
+
+
+def test_a_signal_inside_another_handlers_wait_waits_too():
+    """A second signal (a checkpoint-on-signal handler) lands while the first
+    one's wrapper is about to wait for the pending step: the second waits as
+    well, and saves the stepped model."""
+    import signal
+    import sys
+    saved = []
+    armed = [False]
+
+    def nested_signal_at_the_wait(frame, event, arg):
+        if armed[0] and event == "c_call" and getattr(arg, "__name__", "") == "wait_step" \
+                and frame.f_code.co_name == "finish_for_signal":
+            armed[0] = False
+            signal.raise_signal(signal.SIGUSR2)
+
+    previous = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGUSR2)
+    try:
+        signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+        for model, optimizer in overlapped_pair():
+            signal.signal(signal.SIGUSR2, lambda signum, frame: saved.append(
+                {name: t.clone() for name, t in model.state_dict().items()}))
+            for step in range(3):
+                train_step(model, optimizer, step)
+            before = len(saved)
+            armed[0] = True
+            sys.setprofile(nested_signal_at_the_wait)
+            try:
+                signal.raise_signal(signal.SIGUSR1)
+            finally:
+                sys.setprofile(None)
+            if len(saved) == before:  # the plain optimizer: nothing pending, no wait to land in
+                signal.raise_signal(signal.SIGUSR2)
+            optimizer.wait()
+    finally:
+        signal.signal(signal.SIGUSR1, previous[0])
+        signal.signal(signal.SIGUSR2, previous[1])
+    assert len(saved) == 2
+    for name in saved[0]:
+        assert torch.equal(saved[0][name], saved[1][name]), name
+
+
+def test_ctrl_c_while_the_watch_is_pushed_leaves_no_watch_behind():
+    """A Ctrl-C caught by the user (a notebook) lands just as step() puts the
+    watch on the mode stack: the watch still comes off at the next wait, and
+    training goes on bitwise."""
+    import signal
+    import sys
+    armed = [False]
+
+    def interrupt_after_the_insert(frame, event, arg):
+        if armed[0] and event == "return" and frame.f_code.co_name == "_insert_mode" \
+                and frame.f_back.f_code.co_name == "_push_watch":
+            armed[0] = False
+            signal.raise_signal(signal.SIGINT)
+
+    pair = overlapped_pair()
+    for model, optimizer in pair:
+        for step in range(3):
+            train_step(model, optimizer, step)
+        armed[0] = optimizer._overlap is not None
+        sys.setprofile(interrupt_after_the_insert)
+        try:
+            train_step(model, optimizer, 3)
+        except KeyboardInterrupt:
+            assert optimizer._overlap is not None
+        finally:
+            sys.setprofile(None)
+        optimizer.wait()
+        assert torch._C._len_torch_function_stack() == 0
+        for step in range(4, 6):
+            train_step(model, optimizer, step)
+    assert_models_equal(pair)
+
+
+def test_a_param_outside_the_model_is_refused_before_the_state_changes():
+    """A param the model does not hold, appended to param_groups mid-run:
+    step() refuses it before building anything, so once it is removed the
+    state (step counts, moments) goes on exactly as without it."""
+    states = []
+    for model, optimizer in overlapped_pair():
+        for step in range(3):
+            train_step(model, optimizer, step)
+        optimizer.zero_grad()
+        loss_of(model, tokens_for(3)).backward()
+        if optimizer._overlap is not None:
+            foreign = nn.Parameter(torch.ones(3))
+            foreign.grad = torch.ones(3)
+            optimizer.param_groups[0]["params"].append(foreign)
+            with pytest.raises(ValueError, match="not in the model"):
+                optimizer.step()
+            optimizer.param_groups[0]["params"].pop()
+        for step in range(4, 7):
+            train_step(model, optimizer, step)
+        optimizer.wait()
+        states.append(optimizer.state_dict()["state"])
+    for index, entry in states[0].items():
+        for key, value in entry.items():
+            assert torch.equal(value, states[1][index][key]), (index, key)
 
 
 def test_step_inside_a_device_context():
