@@ -36,8 +36,6 @@ RuntimeOptions make_options(int64_t swap_times, int64_t num_arenas,
                             std::optional<c10::ScalarType> state_dtype, bool master_weights,
                             bool pin_memory, bool keep_arenas, const std::vector<bool>& swap_keys,
                             CompactOptions compact = {}) {
-  TORCH_CHECK_VALUE(swap_keys.size() == runtime::kStateKeyCount,
-                    "swap_keys needs one flag per state key");
   RuntimeOptions options;
   options.swap_times = swap_times;
   options.num_arenas = num_arenas;
@@ -49,7 +47,7 @@ RuntimeOptions make_options(int64_t swap_times, int64_t num_arenas,
   options.rounding_seed = compact.rounding_seed;
   options.global_offsets = std::move(compact.global_offsets);
   options.quantized_params = std::move(compact.quantized_params);
-  std::copy(swap_keys.begin(), swap_keys.end(), options.swap_keys.begin());
+  options.swap_keys = swap_keys;
   return options;
 }
 
@@ -65,14 +63,16 @@ FaultPoint parse_fault(const std::optional<std::string>& name) {
 py::list batch_plan(const runtime::StorePlan& plan) {
   py::list batches;
   for (const runtime::BatchPlan& b : plan.batches) {
-    py::list params, pieces;
+    py::list params, pieces, arena_offsets;
     for (const runtime::PieceRow& row : b.rows) {
       params.append(row.slot);
       pieces.append(py::make_tuple(row.slot, row.element_offset, row.count));
+      arena_offsets.append(row.arena_offset);
     }
     py::dict batch;
     batch["params"] = params;
     batch["pieces"] = pieces;
+    batch["arena_offsets"] = arena_offsets;  // per piece, per key: its byte offset in the arena (-1: not kept)
     batch["resident"] = b.resident;
     batch["host_bytes"] = b.host_bytes;
     batch["arena_bytes"] = b.arena_bytes;
@@ -82,10 +82,61 @@ py::list batch_plan(const runtime::StorePlan& plan) {
   return batches;
 }
 
+// One state key of a param as Python declares it: (name, kind, unit bytes,
+// dtype, shape); kind "absent", "element" (unit bytes per element) or "whole"
+// (unit bytes in all).
+using StateDeclaration = std::tuple<std::string, std::string, int64_t, c10::ScalarType, std::vector<int64_t>>;
+
+runtime::StateLayout state_layout(const StateDeclaration& state) {
+  const auto& [name, kind, unit_bytes, dtype, shape] = state;
+  if (kind == "absent") return {};
+  TORCH_CHECK_VALUE(unit_bytes >= 0, "SwapRuntime: state '", name, "' has negative bytes");
+  if (kind == "element") return {runtime::StateKind::kPerElement, unit_bytes, 1};
+  TORCH_CHECK_VALUE(kind == "whole", "SwapRuntime: state kind must be 'absent', 'element' or 'whole', got '", kind, "'");
+  return {runtime::StateKind::kWhole, unit_bytes, 1};
+}
+
+// A Python update rule as the runtime calls it: it takes the GIL (the host
+// backend's update thread calls it too), and what it raises fails the batch
+// as a C++ error, so no Python object outlives the call. The function itself
+// is released under the GIL, wherever the runtime drops it.
+runtime::BatchUpdate python_batch_update(py::function update) {
+  std::shared_ptr<py::function> held(new py::function(std::move(update)), [](py::function* function) {
+    py::gil_scoped_acquire gil;
+    delete function;
+  });
+  return [held](int64_t batch, const at::Tensor& arena, const std::vector<at::Tensor>& params,
+                const std::vector<at::Tensor>& grads) {
+    py::gil_scoped_acquire gil;
+    py::list grad_list;
+    for (const at::Tensor& grad : grads) grad_list.append(grad.defined() ? py::cast(grad) : py::none());
+    try {
+      (*held)(batch, arena, params, grad_list);
+    } catch (py::error_already_set& error) {
+      const std::string what = error.what();
+      TORCH_CHECK(false, "SwapOptimizer: the update of batch ", batch, " failed: ", what);
+    }
+  };
+}
+
+// The runtime may hold a Python update rule that its update thread runs with
+// the GIL: it is destroyed (which waits for that thread) without the GIL.
+struct DeleteWithoutGil {
+  void operator()(SwapRuntime* runtime) const {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      delete runtime;
+    } else {
+      delete runtime;
+    }
+  }
+};
+using RuntimeHolder = std::unique_ptr<SwapRuntime, DeleteWithoutGil>;
+
 }  // namespace
 
 void bind_runtime(py::module& module) {
-  py::class_<SwapRuntime>(module, "SwapRuntime",
+  py::class_<SwapRuntime, RuntimeHolder>(module, "SwapRuntime",
                           "Host store, staging arenas and packed pipeline of one SwapOptimizer.")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> group_of_param,
                        const std::vector<bool>& group_amsgrad, const std::vector<bool>& swappable,
@@ -94,12 +145,12 @@ void bind_runtime(py::module& module) {
                        bool pin_memory, bool keep_arenas, const std::vector<bool>& swap_keys,
                        bool kahan_summation, std::optional<int64_t> rounding_seed,
                        std::vector<int64_t> global_offsets, std::vector<bool> quantized_params) {
-             return std::make_unique<SwapRuntime>(
+             return RuntimeHolder(new SwapRuntime(
                  std::move(params), std::move(group_of_param), group_amsgrad, swappable,
                  make_options(swap_times, num_arenas, state_dtype, master_weights, pin_memory,
                               keep_arenas, swap_keys,
                               {kahan_summation, rounding_seed, std::move(global_offsets),
-                               std::move(quantized_params)}));
+                               std::move(quantized_params)})));
            }),
            py::arg("params"), py::arg("group_of_param"), py::arg("group_amsgrad"),
            py::arg("swappable"), py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"),
@@ -107,6 +158,35 @@ void bind_runtime(py::module& module) {
            py::arg("keep_arenas"), py::arg("swap_keys"), py::arg("kahan_summation") = false,
            py::arg("rounding_seed") = py::none(), py::arg("global_offsets") = std::vector<int64_t>{},
            py::arg("quantized_params") = std::vector<bool>{})
+      .def(py::init([](std::vector<at::Tensor> params, const std::vector<std::vector<StateDeclaration>>& states,
+                       const std::vector<bool>& swappable, const std::vector<bool>& splittable,
+                       py::function update, int64_t swap_times, int64_t num_arenas, bool pin_memory,
+                       bool keep_arenas, const std::vector<bool>& swap_keys) {
+             TORCH_CHECK_VALUE(states.size() == params.size() && swappable.size() == params.size() &&
+                                   splittable.size() == params.size(),
+                               "SwapRuntime: one list of states, one swappable and one splittable flag per param");
+             std::vector<runtime::SlotSpec> specs;
+             std::vector<std::vector<runtime::StateDescription>> descriptions;
+             for (size_t i = 0; i < params.size(); ++i) {
+               runtime::SlotSpec& spec = specs.emplace_back(
+                   runtime::SlotSpec{params[i].numel(), static_cast<bool>(swappable[i]), {},
+                                     static_cast<bool>(splittable[i])});
+               std::vector<runtime::StateDescription>& described = descriptions.emplace_back();
+               for (const StateDeclaration& state : states[i]) {
+                 spec.states.push_back(state_layout(state));
+                 described.push_back({std::get<0>(state), std::get<3>(state), std::get<4>(state)});
+               }
+             }
+             return RuntimeHolder(new SwapRuntime(
+                 std::move(params), std::move(specs), std::move(descriptions),
+                 python_batch_update(std::move(update)),
+                 make_options(swap_times, num_arenas, std::nullopt, false, pin_memory, keep_arenas, swap_keys)));
+           }),
+           py::arg("params"), py::arg("states"), py::arg("swappable"), py::arg("splittable"), py::arg("update"),
+           py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"), py::arg("pin_memory"),
+           py::arg("keep_arenas"), py::arg("swap_keys"),
+           "Another optimizer's states: per param, one (name, kind, unit bytes, dtype, shape) per state key, "
+           "and update(batch, arena, params, grads) runs each batch's update.")
       .def("state_views",
            [](const SwapRuntime& self, int64_t param) {
              py::dict views;
@@ -252,7 +332,7 @@ void bind_runtime(py::module& module) {
                                                     false, swap_keys, {kahan_summation, std::nullopt, {}, {}});
         const runtime::StorePlan plan = runtime::plan_store(
             runtime::make_slot_specs(params, group_of_param, group_amsgrad, swappable, options), options.swap_keys,
-            swap_times);
+            swap_times, runtime::kAdamStepBytes);
         py::dict summary;
         summary["host_state_bytes"] = plan.host_bytes;
         summary["staging_bytes"] = runtime::staging_bytes_of(plan, num_arenas);
@@ -282,7 +362,7 @@ void bind_runtime(py::module& module) {
         int64_t smallest_possible = 0;
         const int64_t swap_times = runtime::smallest_swap_times_for_budget(
             runtime::make_slot_specs(params, group_of_param, group_amsgrad, swappable, options),
-            options.swap_keys, num_arenas, budget_bytes, &smallest_possible);
+            options.swap_keys, runtime::kAdamStepBytes, num_arenas, budget_bytes, &smallest_possible);
         return std::make_tuple(swap_times, smallest_possible);
       },
       py::arg("params"), py::arg("group_of_param"), py::arg("group_amsgrad"), py::arg("swappable"),

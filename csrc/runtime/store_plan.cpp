@@ -31,7 +31,7 @@ int64_t greedy_part_count(const std::vector<int64_t>& costs, int64_t capacity) {
 // Bytes of one granule of a slot's kept states (exact: absmax blocks divide it).
 int64_t granule_bytes(const SlotSpec& slot) {
   int64_t bytes = 0;
-  for (int key = 0; key < kStateKeyCount; ++key) {
+  for (int key = 0; key < static_cast<int>(slot.states.size()); ++key) {
     if (key_kept(slot, key)) bytes += key_bytes(slot, key, kSplitGranule);
   }
   return bytes;
@@ -40,7 +40,7 @@ int64_t granule_bytes(const SlotSpec& slot) {
 // Arena bytes of `count` elements of a slot: every kept state on its own aligned region.
 int64_t piece_cost(const SlotSpec& slot, int64_t count) {
   int64_t cost = 0;
-  for (int key = 0; key < kStateKeyCount; ++key) {
+  for (int key = 0; key < static_cast<int>(slot.states.size()); ++key) {
     if (key_kept(slot, key)) cost += align_up(key_bytes(slot, key, count), kRegionAlignment);
   }
   return cost;
@@ -76,12 +76,19 @@ PieceBatches fill_with_splits(const std::vector<SlotSpec>& specs, const std::vec
   };
   for (int64_t slot : slots) {
     const SlotSpec& spec = specs[slot];
-    const int64_t min_piece = min_piece_elements(spec);
-    const int64_t per_granule = granule_bytes(spec);
     if (spec.numel == 0) {  // nothing to move, but it has (empty) states and a step count
       batches.back().push_back({slot, 0, 0});
       continue;
     }
+    if (!can_split(spec)) {  // whole: in this batch if it fits (or overshoots by less than a piece), else alone
+      const int64_t cost = piece_cost(spec, spec.numel);
+      if (used > 0 && cost > capacity - used + kMinPieceBytes) close_batch();
+      batches.back().push_back({slot, 0, spec.numel});
+      used += cost;
+      continue;
+    }
+    const int64_t min_piece = min_piece_elements(spec);
+    const int64_t per_granule = granule_bytes(spec);
     int64_t offset = 0, remaining = spec.numel;
     while (remaining > 0) {
       const int64_t cost = piece_cost(spec, remaining);
@@ -161,7 +168,7 @@ PieceBatches partition_pieces(const std::vector<SlotSpec>& specs, const std::vec
 // The kept states of a slot that live on the host (swapped) or on the device.
 std::vector<int> keys_at(const SlotSpec& spec, const KeyFlags& swap_keys, bool host) {
   std::vector<int> keys;
-  for (int key = 0; key < kStateKeyCount; ++key) {
+  for (int key = 0; key < static_cast<int>(spec.states.size()); ++key) {
     if (key_kept(spec, key) && (spec.swappable && swap_keys[key]) == host) keys.push_back(key);
   }
   return keys;
@@ -215,27 +222,25 @@ int64_t place_piece(const SlotSpec& spec, const std::vector<int>& keys, const Sl
 
 }  // namespace
 
-bool key_kept(const SlotSpec& slot, int key) {
-  switch (key) {
-    case kMaxExpAvgSq: return slot.amsgrad;
-    case kMaster: return slot.master;
-    case kExpAvgAbsmax:
-    case kExpAvgSqAbsmax: return slot.quantized;
-    case kMaxExpAvgSqAbsmax: return slot.quantized && slot.amsgrad;
-    case kCompensation: return slot.compensation_element_size > 0;
-    default: return true;
-  }
-}
+bool key_kept(const SlotSpec& slot, int key) { return slot.states[key].kind != StateKind::kAbsent; }
 
 int64_t key_bytes(const SlotSpec& slot, int key, int64_t count) {
-  switch (key) {
-    case kMaster: return count * 4;
-    case kExpAvgAbsmax:
-    case kExpAvgSqAbsmax:
-    case kMaxExpAvgSqAbsmax: return (count + kScaleBlock - 1) / kScaleBlock * 4;
-    case kCompensation: return count * slot.compensation_element_size;
-    default: return count * slot.state_element_size;
+  const StateLayout& state = slot.states[key];
+  switch (state.kind) {
+    case StateKind::kAbsent: return 0;
+    case StateKind::kPerElement: return count * state.unit_bytes;
+    case StateKind::kPerBlock: return (count + state.block_elements - 1) / state.block_elements * state.unit_bytes;
+    case StateKind::kWhole: return state.unit_bytes;
   }
+  return 0;
+}
+
+bool can_split(const SlotSpec& slot) {
+  if (!slot.splittable) return false;
+  for (const StateLayout& state : slot.states) {
+    if (state.kind == StateKind::kWhole) return false;
+  }
+  return granule_bytes(slot) > 0;
 }
 
 int64_t finest_swap_times(const std::vector<SlotSpec>& specs) {
@@ -279,13 +284,18 @@ std::vector<std::pair<int64_t, int64_t>> partition_balanced(const std::vector<in
 }
 
 StorePlan plan_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_keys,
-                     int64_t swap_times) {
+                     int64_t swap_times, int64_t step_bytes) {
   if (swap_times < 1) throw std::invalid_argument("plan_store: swap_times must be >= 1");
   StorePlan plan;
   const int64_t slot_count = static_cast<int64_t>(specs.size());
-  plan.slots.assign(slot_count, SlotPlacement{});
-  plan.host_region_bytes.push_back(slot_count * kStepBytes);  // kStepTableRegion
-  plan.step_table_bytes = align_up(slot_count * kStepBytes, kRegionAlignment);
+  for (const SlotSpec& spec : specs) {
+    if (spec.states.size() != swap_keys.size()) {
+      throw std::invalid_argument("plan_store: every slot needs one state layout per swap key");
+    }
+  }
+  plan.slots.assign(slot_count, SlotPlacement{std::vector<StateHome>(swap_keys.size())});
+  plan.host_region_bytes.push_back(slot_count * step_bytes);  // kStepTableRegion
+  plan.step_table_bytes = align_up(slot_count * step_bytes, kRegionAlignment);
 
   std::vector<int64_t> resident_slots, swappable_slots;
   for (int64_t i = 0; i < slot_count; ++i) (specs[i].swappable ? swappable_slots : resident_slots).push_back(i);
@@ -295,8 +305,8 @@ StorePlan plan_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_ke
     batch.resident = true;
     int64_t cursor = 0;
     for (int64_t slot : resident_slots) {
-      PieceRow& row = batch.rows.emplace_back(PieceRow{slot, 0, specs[slot].numel, {}, slot, true});
-      row.arena_offset.fill(kNoOffset);
+      PieceRow& row = batch.rows.emplace_back(
+          PieceRow{slot, 0, specs[slot].numel, KeyOffsets(swap_keys.size(), kNoOffset), slot, true});
       cursor = place_whole(specs[slot], keys_at(specs[slot], swap_keys, false), cursor, kResidentStore, 0,
                            &row.arena_offset, plan.slots[slot]);
       plan.slots[slot].first_batch = plan.slots[slot].last_batch = 0;
@@ -335,8 +345,8 @@ StorePlan plan_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_ke
   for (const std::vector<Piece>& batch_pieces : pieces) {
     BatchPlan& batch = plan.batches.emplace_back();
     for (const Piece& piece : batch_pieces) {
-      PieceRow& row = batch.rows.emplace_back(PieceRow{piece.slot, piece.offset, piece.count, {}, piece.slot, false});
-      row.arena_offset.fill(kNoOffset);
+      PieceRow& row = batch.rows.emplace_back(
+          PieceRow{piece.slot, piece.offset, piece.count, KeyOffsets(swap_keys.size(), kNoOffset), piece.slot, false});
       row.advances_step = piece.offset + piece.count == specs[piece.slot].numel;
     }
     // Host states: whole params packed as in the batch's own host region, then

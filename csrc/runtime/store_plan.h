@@ -6,7 +6,6 @@
 // about layout itself.
 #pragma once
 
-#include <array>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -17,7 +16,6 @@ namespace swap_optimizer::runtime {
 // enough for the kernels' 16-byte vector accesses and for DMA-friendly copies.
 constexpr int64_t kRegionAlignment = 256;
 constexpr int64_t kNoOffset = -1;
-constexpr int64_t kStepBytes = 4;  // one float32 step count per param, as torch.optim keeps
 // A piece of a split param starts at a multiple of this many elements: whole
 // vectors, whole 32-bit words of 16-bit dtypes, whole blocks of quantized states.
 constexpr int64_t kSplitGranule = 256;
@@ -25,48 +23,46 @@ constexpr int64_t kSplitGranule = 256;
 // large swap_times cannot turn a step into thousands of tiny copies.
 constexpr int64_t kMinPieceBytes = int64_t{64} << 10;
 
-// Params with fewer elements keep unquantized states under 8-bit moments (as
-// bitsandbytes and torchao do): their blocks' scales would cost more than the
-// codes save, and they are often norms and biases that want precise moments.
-constexpr int64_t kMinQuantizedNumel = 4096;
-// Elements per absmax scale of 8-bit moments (kQuantBlock in state_codec.h).
-constexpr int64_t kScaleBlock = 256;
-static_assert(kSplitGranule % kScaleBlock == 0, "pieces start on whole scale blocks");
-
-// The states a param may keep. With 8-bit moments, kExpAvg..kMaxExpAvgSq hold
-// codes and each has a float32 absmax per block in the key kScaleKeyOffset on.
-enum StateKey : int {
-  kExpAvg = 0,
-  kExpAvgSq = 1,
-  kMaxExpAvgSq = 2,
-  kMaster = 3,
-  kExpAvgAbsmax = 4,
-  kExpAvgSqAbsmax = 5,
-  kMaxExpAvgSqAbsmax = 6,
-  kCompensation = 7,  // Kahan summation buffer, in the param's dtype
-  kStateKeyCount = 8,
+// How one state of a param is laid out, by the bytes `count` of its elements
+// take. Every slot of a plan has the same keys (an optimizer's states); a key
+// the slot does not keep is absent.
+enum class StateKind : int {
+  kAbsent,
+  kPerElement,  // unit_bytes per element: param-shaped, cut with its param
+  kPerBlock,    // unit_bytes per started block of block_elements (8-bit scales)
+  kWhole,       // unit_bytes in all, not param-shaped: its param is never cut
 };
-constexpr int kScaleKeyOffset = kExpAvgAbsmax - kExpAvg;
-using KeyFlags = std::array<bool, kStateKeyCount>;
-using KeyOffsets = std::array<int64_t, kStateKeyCount>;
+
+struct StateLayout {
+  StateKind kind = StateKind::kAbsent;
+  int64_t unit_bytes = 0;
+  int64_t block_elements = 1;  // kPerBlock only; divides kSplitGranule
+};
 
 struct SlotSpec {
   int64_t numel;
-  int64_t state_element_size;  // bytes per element of exp_avg, exp_avg_sq, max_exp_avg_sq
-  bool amsgrad;                // keeps max_exp_avg_sq
-  bool master;                 // keeps an fp32 master copy
-  bool swappable;              // false: all its states stay in the resident store
-  bool quantized = false;      // 8-bit moments (state_element_size 1) with absmax blocks
-  int64_t compensation_element_size = 0;  // > 0: keeps a Kahan buffer of this element size
+  bool swappable;                   // false: all its states stay in the resident store
+  std::vector<StateLayout> states;  // one per key
+  bool splittable = true;           // false: its update reads the whole param, so it is never cut
 };
 
+// Per key: whether a slot keeps it, whether it is swapped, where it lies.
+using KeyFlags = std::vector<bool>;
+using KeyOffsets = std::vector<int64_t>;
+
 // Whether a slot keeps state `key`, and the bytes of `count` of its elements
-// of it (from a multiple of kScaleBlock, for the absmax keys).
+// of it (from a multiple of the key's block, for block keys; all of them, for
+// whole keys).
 bool key_kept(const SlotSpec& slot, int key);
 int64_t key_bytes(const SlotSpec& slot, int key, int64_t count);
 
-// Host region 0 is the step table: one float32 per param, at 4 * param index,
-// copied to a device step table at the start of a step and back at its end.
+// Whether a slot may be cut into pieces: its rule allows it, and it keeps a
+// state with bytes to share out.
+bool can_split(const SlotSpec& slot);
+
+// Host region 0 is the step table: step_bytes per param (Adam's float32 step
+// count; 0 where the update keeps its scalars itself), copied to a device step
+// table at the start of a step and back at its end.
 constexpr int64_t kStepTableRegion = 0;
 // The `region` of a state or copy that lives in the device's resident store.
 constexpr int64_t kResidentStore = -1;
@@ -80,7 +76,7 @@ struct StateHome {
 };
 
 struct SlotPlacement {
-  std::array<StateHome, kStateKeyCount> home;
+  std::vector<StateHome> home;  // per key
   int64_t first_batch = -1;  // the batches holding its pieces, in pipeline order
   int64_t last_batch = -1;
   bool split = false;        // its elements are spread over several batches
@@ -160,7 +156,9 @@ int64_t finest_swap_times(const std::vector<SlotSpec>& slots);
 // put a batch more than a piece over the capacity, at multiples of kSplitGranule
 // elements, and the capacity is the smallest for which swap_times batches suffice:
 // the largest arena is then at most about state / swap_times + 2 * kMinPieceBytes.
+// A slot that cannot be split stays whole; a batch holding one larger than the
+// capacity holds only it. swap_keys has one flag per key of the slots.
 StorePlan plan_store(const std::vector<SlotSpec>& slots, const KeyFlags& swap_keys,
-                     int64_t swap_times);
+                     int64_t swap_times, int64_t step_bytes);
 
 }  // namespace swap_optimizer::runtime

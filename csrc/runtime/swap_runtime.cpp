@@ -37,19 +37,6 @@ const c10::TypedOperatorHandle<FusedAdamPackedFn>& fused_adam_packed_op() {
   return op;
 }
 
-constexpr const char* kStateNames[kStateKeyCount] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param",
-                                                     "exp_avg_absmax", "exp_avg_sq_absmax",
-                                                     "max_exp_avg_sq_absmax", "compensation"};
-// The moments' names when they hold 8-bit codes: never the plain names, which
-// torch.optim would read as values.
-constexpr const char* kCodeNames[3] = {"exp_avg_codes", "exp_avg_sq_codes", "max_exp_avg_sq_codes"};
-
-// The dtype of a param's unquantized moments.
-c10::ScalarType state_dtype_of(const RuntimeOptions& options, c10::ScalarType param_dtype) {
-  if (!options.state_dtype.has_value() || *options.state_dtype == at::kByte) return param_dtype;
-  return *options.state_dtype;
-}
-
 // A tensor over bytes [offset, offset + its size) of `base` with a storage of
 // its own, which keeps `base` alive: torch.save then writes only these bytes,
 // and views of one slab in different dtypes do not share a storage (which
@@ -61,51 +48,15 @@ at::Tensor own_storage_view(const at::Tensor& base, int64_t offset, c10::IntArra
 
 }  // namespace
 
-std::vector<SlotSpec> make_slot_specs(const std::vector<at::Tensor>& params,
-                                      const std::vector<int64_t>& group_of_param,
-                                      const std::vector<bool>& group_amsgrad,
-                                      const std::vector<bool>& swappable,
-                                      const RuntimeOptions& options) {
-  TORCH_CHECK_VALUE(group_of_param.size() == params.size() && swappable.size() == params.size(),
-                    "SwapRuntime: one group index and one swappable flag per param");
-  std::vector<SlotSpec> specs;
-  specs.reserve(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& param = params[i];
-    const int64_t group = group_of_param[i];
-    TORCH_CHECK_VALUE(group >= 0 && group < static_cast<int64_t>(group_amsgrad.size()),
-                      "SwapRuntime: param ", i, " names group ", group, " of ",
-                      group_amsgrad.size());
-    const c10::ScalarType dtype = param.scalar_type();
-    TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                     "SwapOptimizer: param ", i, " has dtype ", dtype,
-                     "; supported are float32, bfloat16 and float16");
-    SlotSpec spec{param.numel(), static_cast<int64_t>(c10::elementSize(state_dtype_of(options, dtype))),
-                  static_cast<bool>(group_amsgrad[group]), options.master_weights && dtype != at::kFloat,
-                  static_cast<bool>(swappable[i])};
-    const bool quantized = options.quantized_params.empty() ? param.numel() >= kMinQuantizedNumel
-                                                            : static_cast<bool>(options.quantized_params[i]);
-    if (options.state_dtype == at::kByte && quantized) {
-      spec.quantized = true;
-      spec.state_element_size = 1;
-    }
-    if (options.kahan_summation && dtype != at::kFloat) {
-      spec.compensation_element_size = static_cast<int64_t>(c10::elementSize(dtype));
-    }
-    specs.push_back(spec);
-  }
-  return specs;
-}
-
 int64_t staging_bytes_of(const StorePlan& plan, int64_t num_arenas) {
   return std::min(num_arenas, plan.rotating_batches) * plan.staging_arena_bytes + plan.step_table_bytes;
 }
 
 int64_t smallest_swap_times_for_budget(const std::vector<SlotSpec>& specs, const KeyFlags& swap_keys,
-                                       int64_t num_arenas, int64_t budget_bytes,
+                                       int64_t step_bytes, int64_t num_arenas, int64_t budget_bytes,
                                        int64_t* smallest_possible_bytes) {
   auto staging_bytes = [&](int64_t swap_times) {
-    return staging_bytes_of(plan_store(specs, swap_keys, swap_times), num_arenas);
+    return staging_bytes_of(plan_store(specs, swap_keys, swap_times, step_bytes), num_arenas);
   };
   const int64_t most = finest_swap_times(specs);
   // Staging shrinks as batches are added until they come near a piece; among
@@ -157,6 +108,8 @@ class SwapRuntime::Step final : public BatchWork {
   std::exception_ptr failure;  // what stopped a deferred step on the update thread
 
   const std::optional<at::Tensor>& found_inf() const { return found_inf_; }
+  // The position whose update rule (not the fused op) was running when the step failed, or -1.
+  int64_t failed_rule_position() const { return inside_rule_; }
 
   // Bytes of the grads this step holds.
   int64_t grad_bytes() const {
@@ -190,12 +143,14 @@ class SwapRuntime::Step final : public BatchWork {
 
   void stage_in_step_table() override {
     const int64_t bytes = runtime_.plan_.host_region_bytes[kStepTableRegion];
+    if (bytes == 0) return;
     runtime_.transport_->copy_to_device({runtime_.device_steps_.data_ptr(), bytes,
                                          runtime_.host_slabs_[kStepTableRegion].data_ptr(), bytes, bytes, 1});
   }
 
   void stage_out_step_table() override {
     const int64_t bytes = runtime_.plan_.host_region_bytes[kStepTableRegion];
+    if (bytes == 0) return;
     runtime_.transport_->copy_to_host({runtime_.host_slabs_[kStepTableRegion].data_ptr(), bytes,
                                        runtime_.device_steps_.data_ptr(), bytes, bytes, 1});
   }
@@ -298,10 +253,28 @@ class SwapRuntime::Step final : public BatchWork {
     return static_cast<uint8_t*>(runtime_.host_slabs_[copy.region].data_ptr()) + copy.offset;
   }
 
-  // One op call per run of consecutive rows of one group that have grads.
+  // One op call per run of consecutive rows of one group that have grads;
+  // another optimizer's rule: one call for the batch.
   void update_rows(int64_t position, int64_t batch, const at::Tensor& arena) {
     const BatchPlan& plan = runtime_.plan_.batches[batch];
     const int64_t count = static_cast<int64_t>(plan.rows.size());
+    if (runtime_.batch_update_) {
+      inject(FaultPoint::kUpdateLastCall, position, "last op call");
+      // As for the fused op: the update bumps no param's version counter.
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::vector<at::Tensor> params, grads;
+      for (const PieceRow& row : plan.rows) {
+        params.push_back(runtime_.params_[row.slot]);
+        grads.push_back(grads_[row.slot]);
+      }
+      // Not atomic like the fused op: if it throws, any of its rows may be
+      // partly written (tear_report then marks them all torn).
+      inside_rule_ = position;
+      runtime_.batch_update_(batch, arena, params, grads);
+      inside_rule_ = -1;
+      progress_.second = count;
+      return;
+    }
     std::vector<std::pair<int64_t, int64_t>> runs;
     for (int64_t begin = 0; begin < count;) {
       const int64_t first = plan.rows[begin].slot;
@@ -365,6 +338,7 @@ class SwapRuntime::Step final : public BatchWork {
   std::function<void()> check_interrupt_;
   bool deferred_;
   std::pair<int64_t, int64_t> progress_{0, 0};  // (position, rows of it) whose updates have run
+  int64_t inside_rule_ = -1;  // the position whose update rule threw, if one did
 };
 
 SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> group_of_param,
@@ -376,6 +350,44 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
       device_(at::kCPU),
       options_(options) {
   TORCH_CHECK_VALUE(!params_.empty(), "SwapOptimizer: the optimizer has no params");
+  TORCH_CHECK_VALUE(options_.global_offsets.empty() || options_.global_offsets.size() == params_.size(),
+                    "SwapRuntime: one global offset per param, or none");
+  TORCH_CHECK_VALUE(options_.quantized_params.empty() || options_.quantized_params.size() == params_.size(),
+                    "SwapRuntime: one quantized flag per param, or none");
+  TORCH_CHECK_VALUE(!options_.kahan_summation || !options_.master_weights,
+                    "SwapOptimizer: kahan_summation and master_weights both keep the rounding error of 16-bit "
+                    "params; choose one");
+  TORCH_CHECK_VALUE(options_.swap_keys.size() == kAdamKeyCount, "SwapRuntime: swap_keys needs one flag per state key");
+  specs_ = make_slot_specs(params_, group_of_param_, group_amsgrad_, swappable, options_);
+  descriptions_ = adam_state_descriptions(params_, specs_, options_);
+  set_up();
+}
+
+SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<SlotSpec> specs,
+                         std::vector<std::vector<StateDescription>> descriptions, BatchUpdate update,
+                         const RuntimeOptions& options)
+    : params_(std::move(params)),
+      device_(at::kCPU),
+      options_(options),
+      specs_(std::move(specs)),
+      descriptions_(std::move(descriptions)),
+      step_bytes_(0),
+      batch_update_(std::move(update)) {
+  TORCH_CHECK_VALUE(!params_.empty(), "SwapOptimizer: the optimizer has no params");
+  TORCH_CHECK_VALUE(batch_update_, "SwapRuntime: an update rule is needed");
+  TORCH_CHECK_VALUE(specs_.size() == params_.size() && descriptions_.size() == params_.size(),
+                    "SwapRuntime: one slot spec and one list of state descriptions per param");
+  group_of_param_.assign(params_.size(), 0);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK_VALUE(specs_[i].numel == params_[i].numel() && specs_[i].states.size() == options_.swap_keys.size() &&
+                          descriptions_[i].size() == options_.swap_keys.size(),
+                      "SwapRuntime: param ", i, "'s spec does not match it or the ", options_.swap_keys.size(),
+                      " state keys");
+  }
+  set_up();
+}
+
+void SwapRuntime::set_up() {
   TORCH_CHECK_VALUE(options_.swap_times >= 1, "SwapOptimizer: swap_times must be >= 1, got ",
                     options_.swap_times);
   TORCH_CHECK_VALUE(options_.num_arenas >= 2, "SwapOptimizer: num_arenas must be >= 2, got ",
@@ -388,16 +400,7 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
     param_dtype_.push_back(params_[i].scalar_type());
     param_shape_.push_back(params_[i].sizes().vec());
   }
-
-  TORCH_CHECK_VALUE(options_.global_offsets.empty() || options_.global_offsets.size() == params_.size(),
-                    "SwapRuntime: one global offset per param, or none");
-  TORCH_CHECK_VALUE(options_.quantized_params.empty() || options_.quantized_params.size() == params_.size(),
-                    "SwapRuntime: one quantized flag per param, or none");
-  TORCH_CHECK_VALUE(!options_.kahan_summation || !options_.master_weights,
-                    "SwapOptimizer: kahan_summation and master_weights both keep the rounding error of 16-bit "
-                    "params; choose one");
-  specs_ = make_slot_specs(params_, group_of_param_, group_amsgrad_, swappable, options_);
-  plan_ = plan_store(specs_, options_.swap_keys, options_.swap_times);
+  plan_ = plan_store(specs_, options_.swap_keys, options_.swap_times, step_bytes_);
   // Streams, events, pinned slabs and the resident store belong to the params' device.
   const c10::DeviceGuard guard(device_);  // a no-op for CPU
 
@@ -425,18 +428,19 @@ SwapRuntime::SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> gr
     resident_store_ = at::zeros({plan_.resident_store_bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
   }
 
-  // The op's layout tables: one row per whole param or piece, offsets from the arena's start.
+  // The fused Adam op's layout tables: one row per whole param or piece, offsets from the arena's start.
   for (const BatchPlan& batch : plan_.batches) {
+    if (batch_update_) break;
     const int64_t count = static_cast<int64_t>(batch.rows.size());
     at::Tensor layout = at::empty({count, kLayoutColumns}, at::TensorOptions().dtype(at::kLong));
     int64_t* rows = layout.data_ptr<int64_t>();
     for (int64_t k = 0; k < count; ++k) {
       const PieceRow& piece = batch.rows[k];
       int64_t* row = rows + k * kLayoutColumns;
-      const int64_t columns[kStateKeyCount] = {kExpAvgOffset,       kExpAvgSqOffset,       kMaxExpAvgSqOffset,
+      const int64_t columns[kAdamKeyCount] = {kExpAvgOffset,       kExpAvgSqOffset,       kMaxExpAvgSqOffset,
                                                kMasterOffset,       kExpAvgAbsmaxOffset,   kExpAvgSqAbsmaxOffset,
                                                kMaxExpAvgSqAbsmaxOffset, kCompensationOffset};
-      for (int key = 0; key < kStateKeyCount; ++key) {
+      for (int key = 0; key < kAdamKeyCount; ++key) {
         row[columns[key]] = piece.arena_offset[key] == kNoOffset ? kAbsent : piece.arena_offset[key];
       }
       row[kNumel] = piece.count;
@@ -510,7 +514,10 @@ std::vector<int64_t> SwapRuntime::pipeline_order() const {
 
 at::Tensor SwapRuntime::arena_for(int64_t batch, int slot) const {
   const BatchPlan& plan = plan_.batches[batch];
-  if (plan.resident) return resident_store_.narrow(0, 0, plan.arena_bytes);
+  if (plan.resident) {  // params whose states (if any: SGD without momentum keeps none) stay on the device
+    return resident_store_.defined() ? resident_store_.narrow(0, 0, plan.arena_bytes)
+                                     : at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device_));
+  }
   return arenas_[slot].narrow(0, 0, plan.arena_bytes);
 }
 
@@ -543,8 +550,21 @@ std::string SwapRuntime::tear_report(const Step& work, const std::optional<at::T
     return int64_t{-1};
   };
   std::string report;
+  if (work.failed_rule_position() >= 0) {
+    // An update rule that threw may have written any of its rows in part.
+    for (const PieceRow& row : plan_.batches[order_[work.failed_rule_position()]].rows) {
+      if (std::find(torn_.begin(), torn_.end(), row.slot) != torn_.end()) continue;
+      torn_.push_back(row.slot);
+      std::ostringstream line;
+      line << "SwapOptimizer: param " << row.slot << " (shape " << c10::IntArrayRef(param_shape_[row.slot])
+           << ") may be partly updated: the optimizer's own step failed while it updated the batch holding it. "
+              "step() now refuses to run until you load_state_dict a checkpoint.\n";
+      report += line.str();
+    }
+  }
   for (int64_t i = 0; i < static_cast<int64_t>(plan_.slots.size()); ++i) {
     const SlotPlacement& slot = plan_.slots[i];
+    if (std::find(torn_.begin(), torn_.end(), i) != torn_.end()) continue;
     if (!slot.split || !work.row_updated(slot.first_batch, row_of(slot.first_batch, i)) ||
         work.row_updated(slot.last_batch, row_of(slot.last_batch, i))) {
       continue;
@@ -571,15 +591,17 @@ void SwapRuntime::allocate_arenas() {
     for (int i = 0; i < arena_count_; ++i) {
       arenas_.push_back(at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_)));
     }
-    // n floats; staging counts them as plan_.step_table_bytes (256-byte aligned, as allocators round).
-    device_steps_ = at::empty({static_cast<int64_t>(params_.size())}, at::TensorOptions().dtype(at::kFloat).device(device_));
+    // Adam's n floats (none for other rules); staging counts them as
+    // plan_.step_table_bytes (256-byte aligned, as allocators round).
+    device_steps_ = at::empty({plan_.host_region_bytes[kStepTableRegion] / kAdamStepBytes},
+                              at::TensorOptions().dtype(at::kFloat).device(device_));
   } catch (const c10::OutOfMemoryError& error) {
     arenas_.clear();
     device_steps_ = at::Tensor();
     // Advice from what is free now: the smallest split whose two arenas fit.
     const int64_t free = simulated_free >= 0 ? simulated_free : free_device_bytes(device_);
     int64_t smallest = 0;
-    const int64_t fits = smallest_swap_times_for_budget(specs_, options_.swap_keys, 2, free, &smallest);
+    const int64_t fits = smallest_swap_times_for_budget(specs_, options_.swap_keys, step_bytes_, 2, free, &smallest);
     const std::string advice =
         fits > 0 ? "swap_times=" + std::to_string(fits) + " with num_arenas=2 fits (or set staging_budget_bytes)"
                  : "even the finest split needs " + std::to_string(smallest) +
@@ -923,37 +945,26 @@ int64_t SwapRuntime::global_offset(int64_t param) const {
 at::Tensor SwapRuntime::state_view(int64_t param, int key) const {
   const StateHome& home = plan_.slots[param].home[key];
   if (home.offset == kNoOffset) return at::Tensor();
-  const SlotSpec& spec = specs_[param];
-  c10::ScalarType dtype = state_dtype_of(options_, param_dtype_[param]);
-  std::vector<int64_t> shape = param_shape_[param];
-  if (key == kMaster) {
-    dtype = at::kFloat;
-  } else if (key == kCompensation) {
-    dtype = param_dtype_[param];
-  } else if (key >= kExpAvgAbsmax) {  // one float32 per block
-    dtype = at::kFloat;
-    shape = {key_bytes(spec, key, spec.numel) / 4};
-  } else if (spec.quantized) {
-    dtype = at::kByte;
-  }
-  const int64_t bytes = key_bytes(spec, key, spec.numel);
+  const StateDescription& description = descriptions_[param][key];
+  const int64_t bytes = key_bytes(specs_[param], key, specs_[param].numel);
   if (bytes == 0) {  // an empty param: nothing to share (the resident store may not even exist)
-    return at::empty(shape, at::TensorOptions().dtype(dtype).device(
-                                home.region == kResidentStore ? device_ : c10::Device(at::kCPU)));
+    return at::empty(description.shape, at::TensorOptions().dtype(description.dtype).device(
+                                            home.region == kResidentStore ? device_ : c10::Device(at::kCPU)));
   }
   const at::Tensor& base = home.region == kResidentStore ? resident_store_ : host_slabs_[home.region];
-  return own_storage_view(base, home.offset, shape, dtype);
+  return own_storage_view(base, home.offset, description.shape, description.dtype);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> SwapRuntime::state_views(int64_t param) const {
   TORCH_CHECK_INDEX(param >= 0 && param < static_cast<int64_t>(params_.size()),
                     "SwapRuntime: no param ", param);
   std::vector<std::pair<std::string, at::Tensor>> views;
-  views.emplace_back("step", own_storage_view(host_slabs_[kStepTableRegion], param * kStepBytes, {}, at::kFloat));
-  for (int key = 0; key < kStateKeyCount; ++key) {
+  if (step_bytes_ > 0) {
+    views.emplace_back("step", own_storage_view(host_slabs_[kStepTableRegion], param * step_bytes_, {}, at::kFloat));
+  }
+  for (int key = 0; key < static_cast<int>(descriptions_[param].size()); ++key) {
     at::Tensor view = state_view(param, key);
-    const char* name = key < kMaster && specs_[param].quantized ? kCodeNames[key] : kStateNames[key];
-    if (view.defined()) views.emplace_back(name, std::move(view));
+    if (view.defined()) views.emplace_back(descriptions_[param][key].name, std::move(view));
   }
   return views;
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "../kernels/packed_layout.h"
+#include "adam_slots.h"
 #include "host_transport.h"
 #include "pipeline.h"
 #include "store_plan.h"
@@ -42,7 +43,7 @@ struct RuntimeOptions {
   std::vector<bool> quantized_params;
   bool pin_memory = true;
   bool keep_arenas = false;
-  KeyFlags swap_keys{true, true, true, true, true, true, true, true};  // which states of swappable params go to the host
+  KeyFlags swap_keys = KeyFlags(kAdamKeyCount, true);  // which states (keys) of swappable params go to the host
 };
 
 struct MemoryStats {
@@ -76,12 +77,13 @@ struct TestHooks {
   int64_t compute_delay_us = 0;  // the compute queue waits up to this long before each update
 };
 
-// The layout inputs of each param (shared by the runtime and the budget search).
-std::vector<SlotSpec> make_slot_specs(const std::vector<at::Tensor>& params,
-                                      const std::vector<int64_t>& group_of_param,
-                                      const std::vector<bool>& group_amsgrad,
-                                      const std::vector<bool>& swappable,
-                                      const RuntimeOptions& options);
+// A batch's update by a rule other than the fused Adam op (torch's own update
+// of another optimizer): called once per batch with the compute queue current,
+// under no_grad, with the batch's index in the plan, its arena (every kept
+// state of its rows at the rows' arena offsets) and, per row, the param and
+// its grad (undefined: none this step). It may throw to fail the batch.
+using BatchUpdate = std::function<void(int64_t batch, const at::Tensor& arena, const std::vector<at::Tensor>& params,
+                                       const std::vector<at::Tensor>& grads)>;
 
 // Device bytes a step allocates for staging: min(num_arenas, batches) arenas of
 // the largest batch, and the device step table.
@@ -91,7 +93,7 @@ int64_t staging_bytes_of(const StorePlan& plan, int64_t num_arenas);
 // or -1 when none does; then *smallest_possible_bytes says what the finest
 // split needs.
 int64_t smallest_swap_times_for_budget(const std::vector<SlotSpec>& specs, const KeyFlags& swap_keys,
-                                       int64_t num_arenas, int64_t budget_bytes,
+                                       int64_t step_bytes, int64_t num_arenas, int64_t budget_bytes,
                                        int64_t* smallest_possible_bytes);
 
 class SwapRuntime {
@@ -102,15 +104,23 @@ class SwapRuntime {
   SwapRuntime(std::vector<at::Tensor> params, std::vector<int64_t> group_of_param,
               const std::vector<bool>& group_amsgrad, const std::vector<bool>& swappable,
               const RuntimeOptions& options);
+  // Another optimizer's states: specs[i] and descriptions[i][key] say how
+  // param i keeps each key (options.swap_keys has one flag per key), and
+  // `update` runs each batch's update. No step table: the update keeps the
+  // per-param scalars. Of the options, the layout and staging ones apply.
+  SwapRuntime(std::vector<at::Tensor> params, std::vector<SlotSpec> specs,
+              std::vector<std::vector<StateDescription>> descriptions, BatchUpdate update,
+              const RuntimeOptions& options);
   ~SwapRuntime();
   SwapRuntime(const SwapRuntime&) = delete;
   SwapRuntime& operator=(const SwapRuntime&) = delete;
 
-  // Views of one param's state in the stores, named as torch.optim names them:
-  // "step" (0-dim float32, host), "exp_avg", "exp_avg_sq", "max_exp_avg_sq",
-  // "master_param"; 8-bit moments as "<name>_codes" (uint8, the param's shape)
-  // and "<name>_absmax" (float32, one per block); "compensation" (Kahan).
-  // Swapped states are host tensors, resident ones device tensors.
+  // Views of one param's state in the stores, named by their descriptions;
+  // Adam's: "step" (0-dim float32, host), "exp_avg", "exp_avg_sq",
+  // "max_exp_avg_sq", "master_param"; 8-bit moments as "<name>_codes" (uint8,
+  // the param's shape) and "<name>_absmax" (float32, one per block);
+  // "compensation" (Kahan). Swapped states are host tensors, resident ones
+  // device tensors.
   std::vector<std::pair<std::string, at::Tensor>> state_views(int64_t param) const;
 
   // One optimizer step. params are the params now (the same dtypes, shapes and
@@ -195,6 +205,8 @@ class SwapRuntime {
   class Step;
   friend class Step;
 
+  void set_up();  // what both constructors share, once the specs are known
+
   void allocate_arenas();
   void release_arenas();
   void adopt_order(std::vector<int64_t> order);
@@ -215,8 +227,11 @@ class SwapRuntime {
   c10::Device device_;
   RuntimeOptions options_;
   std::vector<SlotSpec> specs_;
+  std::vector<std::vector<StateDescription>> descriptions_;  // per param, per key
+  int64_t step_bytes_ = kAdamStepBytes;  // per param in the step table
+  BatchUpdate batch_update_;           // set: it updates each batch, not the fused Adam op
   StorePlan plan_;
-  std::vector<at::Tensor> layouts_;    // per batch: the op's layout table, rows in batch order
+  std::vector<at::Tensor> layouts_;    // fused Adam op: per batch, the op's layout table, rows in batch order
   std::vector<at::Tensor> host_slabs_; // per host region of the plan, exact size
   at::Tensor resident_store_;
   std::vector<at::Tensor> arenas_;

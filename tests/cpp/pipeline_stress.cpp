@@ -271,27 +271,36 @@ void check_partition() {
 void check_plan() {
   std::mt19937_64 random(11);
   for (int trial = 0; trial < 400; ++trial) {
+    // Slots of 1-5 keys: per-element states of 1, 2 or 4 bytes (some absent);
+    // now and then a slot that may not be split, or one with a whole state.
+    const int key_count = 1 + static_cast<int>(random() % 5);
     std::vector<rt::SlotSpec> specs(1 + random() % 8);
+    bool all_splittable = true;
     for (rt::SlotSpec& spec : specs) {
       const int64_t scale = random() % 3 == 0 ? 400000 : 3000;
       const int64_t numel = random() % 10 == 0 ? 0 : static_cast<int64_t>(1 + random() % scale);
-      spec = {numel, random() % 2 ? 4 : 2, random() % 2 == 0, random() % 3 == 0, random() % 5 != 0};
+      spec = {numel, random() % 5 != 0, std::vector<rt::StateLayout>(key_count), random() % 10 != 0};
+      for (rt::StateLayout& state : spec.states) {
+        if (random() % 4 != 0) state = {rt::StateKind::kPerElement, int64_t{1} << (random() % 3), 1};
+      }
+      if (random() % 10 == 0) spec.states[0] = {rt::StateKind::kWhole, static_cast<int64_t>(random() % 5000), 1};
+      all_splittable = all_splittable && rt::can_split(spec);
     }
-    rt::KeyFlags swap_keys;
-    for (bool& key : swap_keys) key = random() % 4 != 0;
+    rt::KeyFlags swap_keys(key_count);
+    for (int key = 0; key < key_count; ++key) swap_keys[key] = random() % 4 != 0;
     const int64_t swap_times = 1 + random() % 40;
-    const rt::StorePlan plan = rt::plan_store(specs, swap_keys, swap_times);
+    const int64_t step_bytes = random() % 2 ? 4 : 0;
+    const rt::StorePlan plan = rt::plan_store(specs, swap_keys, swap_times, step_bytes);
     const std::string where = "plan trial " + std::to_string(trial);
     expect(plan.rotating_batches <= swap_times, where + ": at most swap_times batches");
 
     // Homes: inside their host region, and no two states overlapping in a region or the resident store.
     std::vector<std::vector<std::pair<int64_t, int64_t>>> home_ranges(plan.host_region_bytes.size() + 1);
     for (size_t i = 0; i < specs.size(); ++i) {
-      for (int key = 0; key < rt::kStateKeyCount; ++key) {
+      for (int key = 0; key < key_count; ++key) {
         const rt::StateHome& home = plan.slots[i].home[key];
         if (home.offset == rt::kNoOffset || specs[i].numel == 0) continue;
-        const int64_t width = key == rt::kMaster ? 4 : specs[i].state_element_size;
-        const int64_t end = home.offset + specs[i].numel * width;
+        const int64_t end = home.offset + rt::key_bytes(specs[i], key, specs[i].numel);
         if (home.region == rt::kResidentStore) {
           expect(end <= plan.resident_store_bytes, where + ": inside the resident store");
           home_ranges.back().emplace_back(home.offset, end);
@@ -314,10 +323,9 @@ void check_plan() {
     std::vector<int64_t> covered(specs.size(), 0);
     int64_t total = 0;
     for (size_t i = 0; i < specs.size(); ++i) {
-      for (int key = 0; key < rt::kStateKeyCount; ++key) {
+      for (int key = 0; key < key_count; ++key) {
         if (specs[i].swappable && plan.slots[i].home[key].offset != rt::kNoOffset) {
-          const int64_t width = key == rt::kMaster ? 4 : specs[i].state_element_size;
-          total += rt::align_up(specs[i].numel * width, rt::kRegionAlignment);
+          total += rt::align_up(rt::key_bytes(specs[i], key, specs[i].numel), rt::kRegionAlignment);
         }
       }
     }
@@ -329,17 +337,18 @@ void check_plan() {
                where + ": pieces in order, once");
         expect(row.step_index == row.slot, where + ": the step table holds param i's count at i");
         expect(row.element_offset % rt::kSplitGranule == 0, where + ": pieces start on a granule");
+        expect(rt::can_split(spec) || row.count == spec.numel, where + ": a slot that may not be split stays whole");
         covered[row.slot] += row.count;
         expect(row.advances_step == (covered[row.slot] == spec.numel), where + ": the last piece advances");
-        for (int key = 0; key < rt::kStateKeyCount; ++key) {
+        for (int key = 0; key < key_count; ++key) {
           const rt::StateHome& home = plan.slots[row.slot].home[key];
           expect((row.arena_offset[key] == rt::kNoOffset) == (home.offset == rt::kNoOffset), where + ": kept states");
           if (home.offset == rt::kNoOffset) continue;
-          const int64_t width = key == rt::kMaster ? 4 : spec.state_element_size;
-          const int64_t begin = row.arena_offset[key], end = begin + row.count * width;
+          const int64_t width = spec.states[key].unit_bytes;  // per element (whole states: checked whole below)
+          const int64_t begin = row.arena_offset[key], end = begin + rt::key_bytes(spec, key, row.count);
           expect(begin % rt::kRegionAlignment == 0 && end <= batch.arena_bytes, where + ": inside the arena");
           arena_ranges.emplace_back(begin, end);
-          if (batch.resident || row.count == 0) continue;
+          if (batch.resident || row.count == 0 || spec.states[key].kind != rt::StateKind::kPerElement) continue;
           // Follow the copies: which home byte lands on the piece's first and last element?
           const std::vector<rt::RegionCopy>& copies =
               home.region == rt::kResidentStore ? batch.resident_copies : batch.host_copies;
@@ -361,7 +370,12 @@ void check_plan() {
       for (size_t k = 1; k < arena_ranges.size(); ++k) {
         expect(arena_ranges[k].first >= arena_ranges[k - 1].second, where + ": no overlap in the arena");
       }
-      expect(batch.host_copies.size() <= 5, where + ": a few copies per batch");
+      // One copy for the whole params, and per piece of a cut param one per
+      // run of alike states (at most one per key).
+      int64_t pieces = 0;
+      for (const rt::PieceRow& row : batch.rows) pieces += plan.slots[row.slot].split ? 1 : 0;
+      expect(static_cast<int64_t>(batch.host_copies.size()) <= 1 + pieces * key_count,
+             where + ": a few copies per batch");
     }
     std::vector<bool> in_a_batch(specs.size(), false);
     for (const rt::BatchPlan& batch : plan.batches) {
@@ -370,6 +384,10 @@ void check_plan() {
     for (size_t i = 0; i < specs.size(); ++i) {
       expect(covered[i] == specs[i].numel && in_a_batch[i], where + ": every element once, every param in a batch");
     }
+    expect(plan.step_table_bytes == rt::align_up(static_cast<int64_t>(specs.size()) * step_bytes,
+                                                 rt::kRegionAlignment),
+           where + ": the step table has step_bytes per param");
+    if (!all_splittable) continue;  // a whole slot larger than a share makes its batch larger
     const int64_t bound = (total + swap_times - 1) / swap_times + 2 * rt::kMinPieceBytes + 8192;
     expect(plan.staging_arena_bytes <= bound, where + ": largest arena " + std::to_string(plan.staging_arena_bytes) +
                                                   " within the bound " + std::to_string(bound));
