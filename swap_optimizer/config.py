@@ -33,8 +33,10 @@ class SwapOptimizerConfig:
 
     swap_times: batches per step; each batch's states pass through a staging
         arena, so staging memory is about num_arenas / swap_times of the state.
-    state_keys: which states go to host memory (None: all the optimizer keeps,
-        from STATE_KEYS); the others stay on the device.
+    state_keys: which states go to host memory (None: all the optimizer keeps;
+        Adam/AdamW's are STATE_KEYS, another optimizer's are its own state
+        names, such as SGD's momentum_buffer); the others stay on the device.
+        Names are checked against the wrapped optimizer.
     min_numel: params with fewer elements keep their state on the device.
     num_arenas: staging arenas on the device (>= 2); with 3 or more, copies in
         and out run on separate streams, both directions of the link at once.
@@ -113,10 +115,6 @@ class SwapOptimizerConfig:
             if not all(isinstance(k, str) for k in keys):
                 raise ValueError("SwapOptimizerConfig.state_keys must be None or a sequence of names "
                                  f"from {STATE_KEYS}, got {keys!r}")
-            unknown = [k for k in keys if k not in STATE_KEYS]
-            if unknown:
-                raise ValueError(f"SwapOptimizerConfig.state_keys: unknown state key(s) {unknown}; "
-                                 f"choose from {STATE_KEYS}")
             if len(set(keys)) != len(keys):
                 raise ValueError(f"SwapOptimizerConfig.state_keys names a key twice: {keys}")
             object.__setattr__(self, "state_keys", keys)
@@ -133,6 +131,13 @@ class SwapOptimizerConfig:
         values = {f.name: getattr(config, f.name) for f in fields(cls)} if config is not None else {}
         values.update(overrides)
         return cls(**values)
+
+    def check_adam_state_keys(self) -> None:
+        """state_keys names only Adam/AdamW's states."""
+        unknown = [k for k in (self.state_keys or ()) if k not in STATE_KEYS]
+        if unknown:
+            raise ValueError(f"SwapOptimizerConfig.state_keys: unknown state key(s) {unknown}; "
+                             f"choose from {STATE_KEYS}")
 
     def swaps(self, key: str) -> bool:
         """Whether state `key` of a swappable param lives in host memory."""

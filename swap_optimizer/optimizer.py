@@ -16,6 +16,7 @@ from . import _C
 from .compact import FORMAT_KEY, MIN_QUANTIZED_NUMEL, MOMENTS, code_map, dequantize, quantize, state_format
 from .config import SwapOptimizerConfig
 from .overlap import ForwardOverlap, capturing
+from .rules import DECLARATIONS, REFUSED, declaration_for
 
 try:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -33,10 +34,14 @@ _EXECUTION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 def _check_optimizer(optimizer: Any) -> None:
     if isinstance(optimizer, SwapOptimizer):
-        raise TypeError("this optimizer is already a SwapOptimizer; wrap the torch.optim.AdamW itself")
+        raise TypeError("this optimizer is already a SwapOptimizer; wrap the torch.optim optimizer itself")
+    refused = next((reason for cls, reason in REFUSED.items() if isinstance(optimizer, cls)), None)
+    if refused is not None:
+        raise TypeError(f"SwapOptimizer cannot wrap {type(optimizer).__name__}: {refused}")
     if not isinstance(optimizer, torch.optim.Adam) or inspect.unwrap(type(optimizer).step) is not _ADAM_STEP:
-        raise TypeError(f"SwapOptimizer wraps torch.optim.Adam or AdamW (or subclasses that keep their "
-                        f"step), got {type(optimizer).__name__}")
+        supported = ", ".join(sorted(cls.__name__ for d in DECLARATIONS for cls in d.classes))
+        raise TypeError(f"SwapOptimizer wraps torch.optim.Adam or AdamW (or subclasses that keep their step) and "
+                        f"torch.optim's {supported} (the classes themselves); got {type(optimizer).__name__}")
 
 
 def _check_group_flags(group: dict, index: int) -> None:
@@ -306,6 +311,15 @@ class SwapOptimizer(torch.optim.Optimizer):
     found_inf = property(lambda self: self._amp_get("found_inf"), lambda self, v: self._amp_set("found_inf", v),
                          lambda self: self._amp_del("found_inf"))
 
+    def __new__(cls, optimizer: Optional[torch.optim.Optimizer] = None, *args: Any, **kwargs: Any):
+        """Adam/AdamW get the fused kernel; the optimizers swap_optimizer.rules
+        declares get their own update through RuleSwapOptimizer."""
+        if cls is SwapOptimizer and optimizer is not None and not isinstance(optimizer, torch.optim.Adam) \
+                and not isinstance(optimizer, SwapOptimizer) and declaration_for(optimizer) is not None:
+            from .rule_optimizer import RuleSwapOptimizer
+            cls = RuleSwapOptimizer
+        return super().__new__(cls)
+
     def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[SwapOptimizerConfig] = None, *,
                  model: Optional[torch.nn.Module] = None, **fields: Any) -> None:
         """model: with overlap_forward=True, the module whose calls use the
@@ -315,6 +329,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.__dict__["_itself_ref"] = weakref.ref(self)
         self.config = SwapOptimizerConfig.from_fields(config, fields)
         _check_optimizer(optimizer)
+        self.config.check_adam_state_keys()
         for index, group in enumerate(optimizer.param_groups):
             _check_group_flags(group, index)
         all_params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -1,0 +1,423 @@
+"""SwapOptimizer for optimizers other than Adam/AdamW: their states stream
+through the same host store and staging arenas, and each batch is updated by
+torch's own step of the wrapped class (swap_optimizer.rules)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from . import _C
+from .config import SwapOptimizerConfig
+from .optimizer import SwapOptimizer, _check_distinct, _check_params, _is_dtensor
+from .rules import ELEMENT, SCALAR, WHOLE, Declaration, declaration_for, run_torch_update
+
+
+def _refuse_settings(config: SwapOptimizerConfig, name: str) -> None:
+    adam_only = [field for field, off in (("state_dtype", config.state_dtype is None),
+                                          ("master_weights", not config.master_weights),
+                                          ("kahan_summation", not config.kahan_summation),
+                                          ("unscale_in_step", not config.unscale_in_step),
+                                          ("staging_budget_bytes", config.staging_budget_bytes is None),
+                                          ("overlap_forward", not config.overlap_forward)) if not off]
+    if adam_only:
+        raise ValueError(f"SwapOptimizer: {', '.join(adam_only)} work(s) with Adam/AdamW only for now, not with "
+                         f"{name}; leave them at their defaults (GradScaler still works through its unscale_)")
+
+
+def _check_groups(optimizer: torch.optim.Optimizer, name: str) -> None:
+    for index, group in enumerate(optimizer.param_groups):
+        for flag in ("capturable", "differentiable"):
+            if group.get(flag):
+                raise ValueError(f"SwapOptimizer: param group {index} of {name} has {flag}=True, which SwapOptimizer "
+                                 f"does not support (it stages the state batch by batch); create the optimizer with "
+                                 f"{flag}=False")
+
+
+class _Kept(NamedTuple):
+    """A state a param keeps: its name, kind and (whole states) shape."""
+    name: str
+    kind: str
+    shape: Optional[tuple[int, ...]]
+
+
+class RuleSwapOptimizer(SwapOptimizer):
+    """A SwapOptimizer whose update is torch's own step of the wrapped class,
+    run on each batch's staged states (see swap_optimizer.rules). Made by
+    SwapOptimizer(optimizer) for the optimizers rules.DECLARATIONS lists."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[SwapOptimizerConfig] = None, *,
+                 model: Optional[torch.nn.Module] = None, **fields: Any) -> None:
+        self.__dict__["_itself_ref"] = weakref.ref(self)
+        self.config = SwapOptimizerConfig.from_fields(config, fields)
+        name = type(optimizer).__name__
+        declaration = declaration_for(optimizer)
+        if declaration is None:
+            raise TypeError(f"SwapOptimizer has no update rule for {name}")
+        _refuse_settings(self.config, name)
+        if model is not None:
+            raise ValueError("SwapOptimizer: model= is read only with overlap_forward=True (Adam/AdamW only for now); "
+                             "leave model= out")
+        _check_groups(optimizer, name)
+        all_params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._device = _check_params(all_params, None)
+        _check_distinct(all_params)
+        if any(_is_dtensor(p) for p in all_params):
+            raise ValueError(f"SwapOptimizer: {name} with DTensor params (FSDP2) is not supported yet; wrap "
+                             "Adam/AdamW, or keep this optimizer's state on the device")
+        if declaration.validate is not None:
+            declaration.validate(optimizer)
+        self.declaration: Declaration = declaration
+        self.optimizer = optimizer
+        self._overlap = None
+        self._runtime = None
+        self._rounding_seed = None
+        self.__dict__["_unscale_in_step"] = False
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        existing = {p: dict(s) for p, s in optimizer.state.items() if s}
+        self._lay_out(existing)
+        itself = weakref.ref(self)
+        optimizer.state_dict = lambda: itself().state_dict()
+        optimizer.load_state_dict = lambda state_dict: itself().load_state_dict(state_dict)
+
+    # ---------------------------------------------------------------- layout
+    def _layouts(self, params: list[torch.Tensor]) -> list[tuple]:
+        """Per param, the states it keeps now: fixed at its first step (its
+        states then exist), else from its group's current settings."""
+        layouts = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                layouts.append(tuple(_Kept(spec.name, spec.kind, tuple(spec.shape(p.shape)) if spec.kind == WHOLE
+                                           else None) for spec in self.declaration.states(p, group)))
+        return layouts
+
+    def _lay_out(self, previous: dict) -> None:
+        """Builds the store for the current params and their layouts, filled
+        from `previous` (param -> its state as torch.optim holds it)."""
+        params = self._params()
+        layouts = self._layouts(params)
+        keys: list[str] = []
+        for specs in layouts:
+            keys += [s.name for s in specs if s.kind != SCALAR and s.name not in keys]
+        states, swappable, splittable = [], [], []
+        for p, specs in zip(params, layouts):
+            by_name = {s.name: s for s in specs}
+            row = []
+            for key in keys:
+                spec = by_name.get(key)
+                if spec is None:
+                    row.append((key, "absent", 0, p.dtype, []))
+                elif spec.kind == ELEMENT:
+                    row.append((key, "element", p.element_size(), p.dtype, list(p.shape)))
+                else:
+                    shape = list(spec.shape)
+                    numel = 1
+                    for size in shape:
+                        numel *= size
+                    row.append((key, "whole", numel * p.element_size(), p.dtype, shape))
+            states.append(row)
+            kept = any(s.kind != SCALAR for s in specs)
+            swappable.append(kept and p.numel() >= self.config.min_numel and p.is_contiguous())
+            # torch's CPU kernels round 16-bit values differently in their
+            # vectorized body and their scalar tail, and where tails fall
+            # depends on how the threads share a tensor: cutting a 16-bit param
+            # on the CPU would change torch's own result (docs/design.md).
+            cpu_16_bit = p.device.type == "cpu" and p.element_size() < 4
+            splittable.append(self.declaration.elementwise and all(s.kind != WHOLE for s in specs) and not cpu_16_bit)
+        unknown = [k for k in (self.config.state_keys or ()) if k not in keys]
+        if unknown:
+            raise ValueError(f"SwapOptimizerConfig.state_keys: {unknown} are not states of "
+                             f"{type(self.optimizer).__name__} here; its states are {keys}")
+        swap_keys = [self.config.state_keys is None or key in self.config.state_keys for key in keys]
+        itself = weakref.ref(self)  # the runtime holds the rule; the rule must not keep this optimizer alive
+        runtime = _C.SwapRuntime(params, states, swappable, splittable,
+                                 lambda *args: itself()._update_batch(*args),
+                                 swap_times=self.config.swap_times, num_arenas=self.config.num_arenas,
+                                 pin_memory=self.config.pin_memory, keep_arenas=self.config.keep_arenas,
+                                 swap_keys=swap_keys)
+        views = [runtime.state_views(i) for i in range(len(params))]
+        scalars: list[dict] = [{} for _ in params]
+        shown = [False] * len(params)
+        with torch.no_grad():
+            for i, (p, specs) in enumerate(zip(params, layouts)):
+                entry = previous.get(p)
+                if not entry:
+                    continue
+                self._check_entry(i, p, specs, entry)
+                for spec in specs:
+                    if spec.kind == SCALAR:
+                        value = entry[spec.name]
+                        scalars[i][spec.name] = value.clone() if torch.is_tensor(value) else value
+                    else:
+                        views[i][spec.name].copy_(entry[spec.name])
+                shown[i] = True
+        runtime.order_writes()
+        self._runtime = runtime
+        self._keys = keys
+        self._layouts_now = layouts
+        self._views = views
+        self._scalars = scalars
+        self._shown = shown
+        self._plan = runtime.batch_plan()
+        self._param_ids = [id(p) for p in params]
+        self._group_sizes = [len(g["params"]) for g in self.param_groups]
+        self._data_pointers = [p.data_ptr() for p in params]
+        self._refresh_state(params)
+
+    def _check_entry(self, index: int, param: torch.Tensor, specs, entry: dict) -> None:
+        where = f"SwapOptimizer: the state of param {index} ({type(self.optimizer).__name__})"
+        missing = [s.name for s in specs if s.name not in entry]
+        extra = [k for k in entry if k not in {s.name for s in specs}]
+        if missing or extra:
+            raise ValueError(f"{where} has keys {sorted(entry)}, but under its group's settings it keeps "
+                             f"{[s.name for s in specs]}; a state saved with other settings (momentum, centered) "
+                             "loads into an optimizer created with those settings")
+        for spec in specs:
+            value = entry[spec.name]
+            if spec.kind == SCALAR:
+                continue
+            if not torch.is_tensor(value) or value.layout != torch.strided or value.is_meta:
+                raise ValueError(f"{where}: '{spec.name}' must be a dense tensor, got {type(value).__name__}")
+            shape = tuple(param.shape) if spec.kind == ELEMENT else spec.shape
+            if tuple(value.shape) != shape:
+                raise ValueError(f"{where}: '{spec.name}' has shape {tuple(value.shape)}, expected {shape}")
+
+    def _refresh_state(self, params: list[torch.Tensor]) -> None:
+        """`state` as torch.optim shows it: for each param with a state, its
+        views in the store and its scalars."""
+        state = self.__dict__["_state"]
+        state.clear()
+        for i, p in enumerate(params):
+            if self._shown[i]:
+                state[p] = self._entry(i)
+
+    def _entry(self, index: int) -> dict:
+        entry = {}
+        for spec in self._layouts_now[index]:
+            entry[spec.name] = self._scalars[index][spec.name] if spec.kind == SCALAR else \
+                self._views[index][spec.name]
+        return entry
+
+    def _follow(self) -> None:
+        """Lays the store out again when the params, or the states a param that
+        has not stepped yet would keep, changed since (param_groups edited, a
+        scheduler that turned momentum on before the first step). A param that
+        has stepped keeps its states, as torch's; a change of setting that
+        would need others is refused."""
+        params = self._params()
+        layouts = self._layouts(params)
+        same_params = [id(p) for p in params] == self._param_ids and \
+            [len(g["params"]) for g in self.param_groups] == self._group_sizes
+        if same_params and layouts == self._layouts_now:
+            return
+        if same_params:
+            for i, (now, then) in enumerate(zip(layouts, self._layouts_now)):
+                if self._shown[i] and now != then:
+                    raise ValueError(
+                        f"SwapOptimizer: param {i} now would keep states {[s.name for s in now]} under its group's "
+                        f"settings, but it has stepped with {[s.name for s in then]}; torch.optim keeps a param's "
+                        "states from its first step too. Change such settings (momentum, centered) only before the "
+                        "first step, or load a state dict saved with the new settings")
+        _check_params(params, self._device)
+        _check_distinct(params)
+        self._refuse_if_torn("step")
+        previous = {p: self._entry(i) for i, p in enumerate(self._params_laid_out()) if self._shown[i]}
+        self._runtime.synchronize()
+        self._lay_out({p: {k: v.clone() if torch.is_tensor(v) else v for k, v in e.items()}
+                       for p, e in previous.items()})
+
+    def _params_laid_out(self) -> list[torch.Tensor]:
+        by_id = {id(p): p for p in self._params()}
+        return [by_id.get(pid) for pid in self._param_ids]
+
+    # ------------------------------------------------------------------ step
+    @torch.compiler.disable
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102  (torch.optim API)
+        self = self._itself
+        self._refuse_inside_step("step")
+        self._refuse_if_torn("step")
+        loss = None
+        if closure is not None:  # as torch.optim: evaluated once, before the update
+            with torch.enable_grad():
+                loss = closure()
+        _check_groups(self.optimizer, type(self.optimizer).__name__)
+        self._follow()
+        params = self._params()
+        data_pointers = [p.data_ptr() for p in params]
+        if data_pointers != self._data_pointers:  # .data replaced since the last step
+            _check_distinct(params)
+            self._data_pointers = data_pointers
+        grads = [p.grad for p in params]
+        for i, grad in enumerate(grads):
+            if grad is not None and grad.is_sparse:
+                raise RuntimeError(f"SwapOptimizer: param {i} has a sparse gradient; "
+                                   f"{type(self.optimizer).__name__} runs on dense grads here (torch.optim.SparseAdam "
+                                   "is the optimizer for sparse ones)")
+        self._sync_edits(params)
+        # What every batch call starts from: the groups and scalars before the step.
+        self._step_groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+        self._group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+        self._had_state = list(self._shown)
+        self._scalars_before = [dict(s) for s in self._scalars]
+        self._stepping = True
+        try:
+            self._runtime.step(params, grads, [], None, None, deferred=False)
+        finally:
+            self._stepping = False
+            self._step_groups = None
+        state = self.__dict__["_state"]
+        for i, grad in enumerate(grads):
+            if grad is not None and self._layouts_now[i]:  # SGD without momentum keeps no state, as in torch
+                self._shown[i] = True
+                state[params[i]] = self._entry(i)  # a first step's scalars are new objects
+        return loss
+
+    def _sync_edits(self, params: list[torch.Tensor]) -> None:
+        """Loads into the store what was written into `state` since the last
+        step: an entry replaced or removed (torch starts a removed one anew)."""
+        state = self.__dict__["_state"]
+        changed = []
+        for i, p in enumerate(params):
+            entry = state.get(p)
+            if not entry and not self._shown[i]:
+                continue
+            ours = self._entry(i) if self._shown[i] else {}
+            if entry is not None and len(entry) == len(ours) and all(entry.get(k) is v for k, v in ours.items()):
+                continue
+            changed.append(i)
+        if not changed:
+            return
+        previous = {p: (state.get(p) or {}) for p in params}
+        previous = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in e.items()}
+                    for p, e in previous.items() if e}
+        self._runtime.synchronize()
+        self._lay_out(previous)
+
+    def _update_batch(self, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
+                      grads: list[Optional[torch.Tensor]]) -> None:
+        """One batch, by torch's own step: each row (a param, or a piece of a
+        cut one) becomes a param of its group with the staged views as its
+        state; torch's call creates or replaces states at a param's first
+        step, which are then copied into the arena."""
+        plan = self._plan[batch]
+        groups: dict[int, list[torch.Tensor]] = {}
+        state: dict[torch.Tensor, dict] = {}
+        rows = []
+        for (index, offset, count), offsets, param, grad in zip(plan["pieces"], plan["arena_offsets"], params,
+                                                                  grads):
+            if grad is None:
+                continue
+            whole = offset == 0 and count == param.numel()
+            if whole:
+                piece, piece_grad = param.detach(), grad
+            else:  # only contiguous params are cut
+                piece = param.detach().view(-1)[offset:offset + count]
+                piece_grad = grad.reshape(-1)[offset:offset + count]
+            piece.grad = piece_grad
+            views = {}
+            for key, arena_offset in zip(self._keys, offsets):
+                if arena_offset < 0:
+                    continue
+                described = self._views[index][key]
+                shape = described.shape if whole else (count,)
+                numel = described.numel() if whole else count
+                nbytes = numel * described.element_size()
+                views[key] = arena[arena_offset:arena_offset + nbytes].view(described.dtype).view(shape)
+            entry = {}
+            if self._had_state[index]:
+                entry.update(views)
+                for name, value in self._scalars_before[index].items():
+                    entry[name] = value.clone() if torch.is_tensor(value) else value
+            groups.setdefault(self._group_of[index], []).append(piece)
+            state[piece] = entry
+            rows.append((index, offset + count == param.numel(), piece, views))
+        if not rows:
+            return
+        call_groups = [dict(self._step_groups[g], params=pieces) for g, pieces in sorted(groups.items())]
+        run_torch_update(self.optimizer, call_groups, state)
+        for index, last, piece, views in rows:
+            entry = state[piece]
+            for key, view in views.items():
+                value = entry.get(key)
+                if value is None:
+                    raise RuntimeError(f"SwapOptimizer: {type(self.optimizer).__name__}'s step kept no '{key}' for "
+                                       f"param {index}, which its declaration says it keeps")
+                if value is not view:  # created or replaced by torch's step: adopted into the store
+                    view.copy_(value)
+            if last:  # the param's scalars after the step: in place, as torch keeps them (identity included)
+                scalars = self._scalars[index]
+                for spec in self._layouts_now[index]:
+                    if spec.kind != SCALAR:
+                        continue
+                    old, new = scalars.get(spec.name), entry[spec.name]
+                    if torch.is_tensor(old) and torch.is_tensor(new) and old.shape == new.shape and \
+                            old.dtype == new.dtype and old.device == new.device:
+                        old.copy_(new)
+                    else:
+                        scalars[spec.name] = new
+
+    # ----------------------------------------------------------- state dicts
+    def state_dict(self) -> dict[str, Any]:  # noqa: D102  (torch.optim API)
+        """The wrapped optimizer's own format: swapped states are the host
+        tensors themselves, scalars as torch keeps them."""
+        self = self._itself
+        self._runtime.synchronize()
+        return torch.optim.Optimizer.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102  (torch.optim API)
+        """As torch.optim's (torch's own load casts the values, so a resume is
+        that of the plain optimizer), then into the store."""
+        self = self._itself
+        self._refuse_inside_step("load_state_dict")
+        inner = self.optimizer
+        self._runtime.synchronize()
+        saved_state = inner.state
+        try:
+            torch.optim.Optimizer.load_state_dict(inner, state_dict)
+            loaded = {p: dict(entry) for p, entry in inner.state.items() if entry}
+        finally:
+            inner.state = saved_state
+        self._runtime.clear_torn()
+        self._lay_out(loaded)
+
+    def add_param_group(self, param_group: dict) -> None:  # noqa: D102  (torch.optim API)
+        if self.__dict__.get("_runtime") is None:  # called by Optimizer.__init__
+            return torch.optim.Optimizer.add_param_group(self, param_group)
+        self = self._itself
+        self._refuse_inside_step("add_param_group")
+        self._runtime.synchronize()
+        previous = {p: self._entry(i) for i, p in enumerate(self._params()) if self._shown[i]}
+        previous = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in e.items()} for p, e in previous.items()}
+        self.optimizer.add_param_group(param_group)  # validates, and makes eager states (Adagrad's sum)
+        state = self.__dict__["_state"]  # the wrapped optimizer's too: its eager states land here
+        added = self.param_groups[-1]["params"]
+        previous.update({p: dict(state[p]) for p in added if state.get(p)})
+        try:
+            if self.declaration.validate is not None:
+                self.declaration.validate(self.optimizer)
+            _check_groups(self.optimizer, type(self.optimizer).__name__)
+            _check_params(self._params(), self._device)
+            _check_distinct(self._params())
+            self._lay_out(previous)
+        except BaseException:
+            self.param_groups.pop()
+            for p in added:
+                state.pop(p, None)
+            raise
+
+    def memory_stats(self) -> dict[str, Any]:
+        """As SwapOptimizer's; swapped_bytes 0 means nothing is swapped (an
+        optimizer that keeps no state for its params, such as SGD without
+        momentum)."""
+        stats = self._itself._runtime.memory_stats()
+        stats["swapped_state_keys"] = [k for k, swapped in zip(self._itself._keys, self._itself._swap_flags())
+                                       if swapped]
+        return stats
+
+    def _swap_flags(self) -> list[bool]:
+        return [self.config.state_keys is None or key in self.config.state_keys for key in self._keys]

@@ -1,0 +1,146 @@
+"""Optimizers whose update SwapOptimizer runs with torch's own code, batch by
+batch, on the staged states: one declaration each.
+
+A declaration says how the optimizer class is matched, what it refuses, which
+states a param keeps under its group's settings (name, kind, shape) and
+whether the rule is elementwise (a param may then be cut into pieces). The
+update is always torch's own step, called on a stand-in of the optimizer whose
+param groups hold the batch's params (or pieces of them) and whose state holds
+the staged views (see run_torch_update): nothing of torch's math is copied
+here, so the results are the wrapped optimizer's, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+# Kinds of state:
+#  "element": param-shaped, in the param's dtype; cut with the param.
+#  "whole": another shape (Adafactor's row and column variances); its param is never cut.
+#  "scalar": a per-param number or 0-dim tensor (step counts, NAdam's
+#     mu_product, ASGD's eta and mu): kept by SwapOptimizer where torch keeps
+#     it, never swapped. Every piece of a cut param starts from its value
+#     before the step; the last piece's result is kept.
+ELEMENT, WHOLE, SCALAR = "element", "whole", "scalar"
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    name: str
+    kind: str
+    # "whole" only: the state's shape for a param of this shape.
+    shape: Optional[Callable[[torch.Size], tuple[int, ...]]] = None
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """One optimizer that runs torch's own update.
+
+    states(param, group): the states the param keeps under its group's
+        settings now (they are fixed at its first step, as torch's are).
+    elementwise: the update of each element reads only that element of the
+        param, its grad and its states (plus scalars): a param may be cut.
+    validate(optimizer): raises for what SwapOptimizer cannot run exactly.
+    """
+
+    classes: tuple[type, ...]
+    states: Callable[[torch.Tensor, dict], list[StateSpec]]
+    elementwise: bool
+    validate: Optional[Callable[[torch.optim.Optimizer], None]] = None
+
+    def matches(self, optimizer: torch.optim.Optimizer) -> bool:
+        # The class itself, not a subclass: a subclass may change the step.
+        return type(optimizer) in self.classes
+
+
+def _elements(*names: str) -> list[StateSpec]:
+    return [StateSpec(name, ELEMENT) for name in names]
+
+
+def _scalars(*names: str) -> list[StateSpec]:
+    return [StateSpec(name, SCALAR) for name in names]
+
+
+def _sgd_states(param, group):
+    return _elements("momentum_buffer") if group["momentum"] != 0 else []
+
+
+def _rmsprop_states(param, group):
+    states = _scalars("step") + _elements("square_avg")
+    if group["momentum"] > 0:
+        states += _elements("momentum_buffer")
+    if group["centered"]:
+        states += _elements("grad_avg")
+    return states
+
+
+def _adafactor_states(param, group):
+    if param.dim() < 2:
+        return _scalars("step") + _elements("variance")
+    return _scalars("step") + [StateSpec("row_var", WHOLE, lambda shape: (*shape[:-1], 1)),
+                               StateSpec("col_var", WHOLE, lambda shape: (*shape[:-2], 1, shape[-1]))]
+
+
+def _validate_muon(optimizer):
+    for index, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if p.dim() != 2:
+                raise ValueError(f"SwapOptimizer: param group {index} of Muon holds a {p.dim()}-D param "
+                                 f"(shape {tuple(p.shape)}); Muon updates 2-D matrices only (torch's Muon would "
+                                 "fail mid-step). Give embeddings, norms, biases and the head to an AdamW (its own "
+                                 "SwapOptimizer beside this one)")
+
+
+DECLARATIONS: list[Declaration] = [
+    Declaration((torch.optim.SGD,), _sgd_states, elementwise=True),
+    Declaration((torch.optim.Adagrad,), lambda p, g: _scalars("step") + _elements("sum"), elementwise=True),
+    Declaration((torch.optim.RMSprop,), _rmsprop_states, elementwise=True),
+    Declaration((torch.optim.Adadelta,), lambda p, g: _scalars("step") + _elements("square_avg", "acc_delta"),
+                elementwise=True),
+    Declaration((torch.optim.Adamax,), lambda p, g: _scalars("step") + _elements("exp_avg", "exp_inf"),
+                elementwise=True),
+    Declaration((torch.optim.NAdam,), lambda p, g: _scalars("step", "mu_product") + _elements("exp_avg", "exp_avg_sq"),
+                elementwise=True),
+    Declaration((torch.optim.RAdam,), lambda p, g: _scalars("step") + _elements("exp_avg", "exp_avg_sq"),
+                elementwise=True),
+    Declaration((torch.optim.ASGD,), lambda p, g: _scalars("step", "eta", "mu") + _elements("ax"), elementwise=True),
+    Declaration((torch.optim.Rprop,), lambda p, g: _scalars("step") + _elements("prev", "step_size"),
+                elementwise=True),
+    # Adafactor reads param.norm(): never cut, even 1-D.
+    Declaration((torch.optim.Adafactor,), _adafactor_states, elementwise=False),
+    # Muon's Newton-Schulz iteration needs the whole matrix: never cut.
+    Declaration((torch.optim.Muon,), lambda p, g: _elements("momentum_buffer"), elementwise=False,
+                validate=_validate_muon),
+]
+
+# Refused outright, with the reason.
+REFUSED = {
+    torch.optim.LBFGS: "LBFGS keeps one history for all params together (flat direction and step vectors) and "
+                       "re-evaluates the closure inside step(); there is no per-param state to stream",
+    torch.optim.SparseAdam: "SparseAdam updates only the rows a sparse grad touches; SwapOptimizer streams dense "
+                            "states",
+}
+
+
+def declaration_for(optimizer: torch.optim.Optimizer) -> Optional[Declaration]:
+    return next((d for d in DECLARATIONS if d.matches(optimizer)), None)
+
+
+def _torch_step(optimizer: torch.optim.Optimizer):
+    """The class's own step, without the per-instance and global step hooks
+    that torch wraps it in (those run once per SwapOptimizer.step())."""
+    step = type(optimizer).step
+    return step.__wrapped__ if getattr(step, "hooked", False) else step
+
+
+def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state: dict) -> None:
+    """torch's own step of `optimizer`'s class over `groups` (param groups
+    holding the batch's params or pieces, with .grad set) and `state` (their
+    staged states): on a shallow copy of the optimizer, so the wrapped one's
+    groups and state stay as they are."""
+    stand_in = object.__new__(type(optimizer))
+    stand_in.__dict__.update(optimizer.__dict__, param_groups=groups, state=state)
+    _torch_step(optimizer)(stand_in)

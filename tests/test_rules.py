@@ -1,0 +1,348 @@
+"""Optimizers other than Adam/AdamW: torch's own update, run batch by batch on
+the staged states, is bitwise the plain optimizer's (params and every state),
+whatever the batching; what cannot be run exactly is refused."""
+
+import pytest
+import torch
+from torch import nn
+
+import swap_optimizer as so
+
+# (class name, hyper-parameters): each keeps per-param state, and each runs
+# for-loop and foreach (and fused where torch has it) below.
+CASES = [
+    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True, maximize=True)),
+    ("Adagrad", dict(lr=0.1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1)),
+    ("RMSprop", dict(lr=0.01, momentum=0.5, centered=True, weight_decay=0.01)),
+    ("Adadelta", dict(weight_decay=0.01)),
+    ("Adamax", dict(weight_decay=0.01)),
+    ("NAdam", dict(decoupled_weight_decay=True, weight_decay=0.01)),
+    ("RAdam", dict(weight_decay=0.01)),
+    ("ASGD", dict(t0=3, weight_decay=0.01)),
+    ("Rprop", dict()),
+    ("Adafactor", dict(lr=0.01)),
+    ("Muon", dict(lr=0.01)),
+]
+FUSED = {"SGD", "Adagrad"}  # torch has fused kernels for these (and Adam/AdamW)
+WHOLE = {"Adafactor", "Muon"}  # never cut
+SHAPES = [(256, 700), (70000,), (64, 300), (5,)]  # the first two are large enough to be cut into pieces
+STEPS = 20
+
+
+def make_params(name, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(1)
+    shapes = [s for s in SHAPES if len(s) == 2] if name == "Muon" else SHAPES
+    return [nn.Parameter(torch.randn(*s, generator=generator).to(dtype)) for s in shapes]
+
+
+def implementations(name):
+    if name == "Muon":
+        return [dict()]  # no foreach
+    kinds = [dict(foreach=False), dict(foreach=True)]
+    return kinds + ([dict(fused=True)] if name in FUSED else [])
+
+
+def give_grads(step, *param_lists):
+    generator = torch.Generator().manual_seed(100 + step)
+    for params in zip(*param_lists):
+        grad = torch.randn(params[0].shape, generator=generator).to(params[0].dtype)
+        for p in params:
+            p.grad = grad.clone()
+
+
+def bits(tensor):
+    """The tensor's bits, so that NaNs (fp16 RMSprop overflows) compare too."""
+    return tensor.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                              8: torch.int64}[tensor.element_size()])
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def assert_same_state(plain, swapped):
+    ours, theirs = swapped.state_dict(), plain.state_dict()
+    assert ours["state"].keys() == theirs["state"].keys()
+    for index, entry in theirs["state"].items():
+        assert ours["state"][index].keys() == entry.keys(), index
+        for key, value in entry.items():
+            mine = ours["state"][index][key]
+            if torch.is_tensor(value):
+                assert mine.device == value.device, (index, key)
+                assert same_bits(mine, value), (index, key)
+            else:
+                assert mine == value, (index, key)
+
+
+def run_pair(name, kwargs, steps=STEPS, dtype=torch.float32, **settings):
+    cls = getattr(torch.optim, name)
+    a, b = make_params(name, dtype), make_params(name, dtype)
+    plain = cls(a, **kwargs)
+    swapped = so.SwapOptimizer(cls(b, **kwargs), min_numel=0, **settings)
+    for step in range(steps):
+        give_grads(step, a, b)
+        plain.step()
+        swapped.step()
+    for p, q in zip(a, b):
+        assert same_bits(p, q)
+    assert_same_state(plain, swapped)
+    return plain, swapped
+
+
+@pytest.mark.parametrize("name,kwargs", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_bitwise_equal_to_the_plain_optimizer(name, kwargs):
+    """20 steps for every implementation torch offers, across swap_times
+    {1, 2, 4, 16} x num_arenas {2, 3}: params and states bitwise equal (no
+    tolerance), with the large param cut into pieces where the rule allows."""
+    for implementation in implementations(name):
+        for swap_times in (1, 2, 4, 16):
+            for num_arenas in (2, 3):
+                _, swapped = run_pair(name, dict(kwargs, **implementation), swap_times=swap_times,
+                                      num_arenas=num_arenas)
+                stats = swapped.memory_stats()
+                if name in WHOLE or swap_times == 1:
+                    assert stats["split_params"] == 0
+                else:
+                    assert stats["split_params"] >= 1, "the large param is cut at this swap_times"
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adagrad", "RMSprop", "NAdam", "ASGD", "Adafactor"])
+def test_16_bit_params(name):
+    kwargs = dict(next(k for n, k in CASES if n == name))
+    for dtype in (torch.bfloat16, torch.float16):
+        _, swapped = run_pair(name, kwargs, steps=8, dtype=dtype, swap_times=4)
+        # torch's own CPU result for 16-bit params depends on how its threads
+        # share a tensor, so such params are never cut on the CPU.
+        assert swapped.memory_stats()["split_params"] == 0
+
+
+def test_param_groups_scheduler_and_closure():
+    """Two groups with their own hyper-parameters, a scheduler that changes
+    lr every step, and a closure evaluated once per step."""
+    a, b = make_params("SGD"), make_params("SGD")
+    groups = lambda ps: [dict(params=ps[:2], lr=0.1, momentum=0.9), dict(params=ps[2:], lr=0.01, momentum=0.5,
+                                                                           nesterov=True)]
+    plain = torch.optim.SGD(groups(a), lr=0.1)
+    swapped = so.SwapOptimizer(torch.optim.SGD(groups(b), lr=0.1), swap_times=4, min_numel=0)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.9) for o in (plain, swapped)]
+    calls = []
+
+    def closure_for(params, step):
+        def closure():
+            calls.append(1)
+            give_grads(step, params)
+            return torch.tensor(float(step))
+        return closure
+
+    for step in range(10):
+        assert plain.step(closure_for(a, step)) == swapped.step(closure_for(b, step))
+        for scheduler in schedulers:
+            scheduler.step()
+    assert len(calls) == 20
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adagrad", "RAdam"])
+def test_add_param_group_mid_run(name):
+    kwargs = dict(next(k for n, k in CASES if n == name))
+    cls = getattr(torch.optim, name)
+    a, b = make_params(name), make_params(name)
+    plain = cls(a[:2], **kwargs)
+    swapped = so.SwapOptimizer(cls(b[:2], **kwargs), swap_times=4, min_numel=0)
+    for step in range(12):
+        if step == 5:
+            plain.add_param_group(dict(params=a[2:], lr=0.05))
+            swapped.add_param_group(dict(params=b[2:], lr=0.05))
+        count = 2 if step < 5 else 4
+        give_grads(step, a[:count], b[:count])
+        plain.step()
+        swapped.step()
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
+
+
+def test_grad_scaler_unscales_through_its_own_path():
+    """GradScaler without a device-side unscale (unscale_ then step, skipping
+    steps with infs) gives the plain optimizer's results."""
+    a, b = make_params("SGD"), make_params("SGD")
+    plain = torch.optim.SGD(a, lr=0.1, momentum=0.9)
+    swapped = so.SwapOptimizer(torch.optim.SGD(b, lr=0.1, momentum=0.9), swap_times=4, min_numel=0)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) for _ in range(2)]
+    for step in range(8):
+        give_grads(step, a, b)
+        if step == 3:  # an overflow: the step is skipped and the scale drops
+            a[0].grad[0, 0] = b[0].grad[0, 0] = float("inf")
+        for scaler, optimizer, params in zip(scalers, (plain, swapped), (a, b)):
+            scaler.scale(torch.ones(()))  # as scaler.scale(loss) before backward
+            for p in params:  # the grads a scaled loss would give
+                p.grad.mul_(scaler.get_scale())
+            scaler.step(optimizer)
+            scaler.update()
+    assert scalers[1].get_scale() == scalers[0].get_scale() < 2.0 ** 8
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
+
+
+def test_state_dict_round_trips_with_the_plain_optimizer():
+    """Save from SwapOptimizer, load into the plain optimizer and go on; and
+    back: both resumes are bitwise the uninterrupted plain run."""
+    for name, kwargs in [("NAdam", CASES[6][1]), ("ASGD", CASES[8][1]), ("Adafactor", CASES[10][1])]:
+        cls = getattr(torch.optim, name)
+        a, b, c = make_params(name), make_params(name), make_params(name)
+        reference = cls(a, **kwargs)
+        swapped = so.SwapOptimizer(cls(b, **kwargs), swap_times=4, min_numel=0)
+        for step in range(5):
+            give_grads(step, a, b)
+            reference.step()
+            swapped.step()
+        resumed = cls(c, **kwargs)
+        with torch.no_grad():
+            for p, q in zip(c, b):
+                p.copy_(q)
+        resumed.load_state_dict(swapped.state_dict())
+        back = so.SwapOptimizer(cls(make_params(name), **kwargs), swap_times=2, min_numel=0)
+        back_params = back.param_groups[0]["params"]
+        with torch.no_grad():
+            for p, q in zip(back_params, b):
+                p.copy_(q)
+        back.load_state_dict(reference.state_dict())
+        for step in range(5, 10):
+            give_grads(step, a, c, back_params)
+            reference.step()
+            resumed.step()
+            back.step()
+        assert all(same_bits(p, q) and same_bits(p, r) for p, q, r in zip(a, c, back_params)), name
+        assert_same_state(reference, back)
+
+
+def test_no_state_means_nothing_to_swap():
+    _, swapped = run_pair("SGD", dict(lr=0.1), steps=3, swap_times=4)
+    stats = swapped.memory_stats()
+    assert stats["host_state_bytes"] == 0 and stats["batches"] == 0 and stats["swapped_state_keys"] == []
+    assert swapped.state_dict()["state"] == {}
+
+
+def test_momentum_turned_on_by_a_scheduler_before_the_first_step():
+    """OneCycleLR's cycle_momentum sets SGD's momentum when it is built: the
+    store is laid out again at the first step, with momentum buffers."""
+    a, b = make_params("SGD"), make_params("SGD")
+    plain = torch.optim.SGD(a, lr=0.1)
+    swapped = so.SwapOptimizer(torch.optim.SGD(b, lr=0.1), swap_times=4, min_numel=0)
+    schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=20) for o in (plain, swapped)]
+    for step in range(10):
+        give_grads(step, a, b)
+        plain.step()
+        swapped.step()
+        for scheduler in schedulers:
+            scheduler.step()
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
+    assert swapped.memory_stats()["host_state_bytes"] > 0
+
+
+def test_a_setting_that_would_change_a_stepped_params_states_is_refused():
+    params = make_params("RMSprop")
+    swapped = so.SwapOptimizer(torch.optim.RMSprop(params, lr=0.01), swap_times=2, min_numel=0)
+    give_grads(0, params)
+    swapped.step()
+    before = {k: v.clone() for k, v in swapped.state[params[0]].items()}
+    swapped.param_groups[0]["centered"] = True
+    with pytest.raises(ValueError, match="has stepped with"):
+        swapped.step()
+    swapped.param_groups[0]["centered"] = False
+    for key, value in before.items():
+        assert torch.equal(swapped.state[params[0]][key], value)
+
+
+REFUSED = {
+    "LBFGS": (lambda ps: torch.optim.LBFGS(ps), TypeError, "cannot wrap LBFGS: LBFGS keeps one history"),
+    "SparseAdam": (lambda ps: torch.optim.SparseAdam(ps), TypeError, "cannot wrap SparseAdam"),
+    "subclass": (lambda ps: type("MySGD", (torch.optim.SGD,), {})(ps, lr=0.1), TypeError, "the classes themselves"),
+    "differentiable": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, differentiable=True), ValueError,
+                       "has differentiable=True, which SwapOptimizer does not support"),
+    "capturable": (lambda ps: torch.optim.RMSprop(ps, capturable=True), ValueError,
+                   "has capturable=True, which SwapOptimizer does not support"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_refusals(case):
+    make, error, message = REFUSED[case]
+    with pytest.raises(error, match=message):
+        so.SwapOptimizer(make(make_params("SGD")))
+
+
+def test_a_sparse_grad_is_refused_before_anything_moves():
+    params = make_params("SGD")
+    swapped = so.SwapOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), swap_times=2, min_numel=0)
+    before = [p.detach().clone() for p in params]
+    give_grads(0, params)
+    params[1].grad = params[1].grad.to_sparse()
+    with pytest.raises(RuntimeError, match="has a sparse gradient"):
+        swapped.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and swapped.state_dict()["state"] == {}
+
+
+def test_muon_refuses_a_1d_param_added_later():
+    """torch's Muon.add_param_group takes a 1-D param and fails only mid-step:
+    SwapOptimizer refuses it up front, and keeps its groups and state."""
+    params = make_params("Muon")
+    swapped = so.SwapOptimizer(torch.optim.Muon(params, lr=0.01), swap_times=2, min_numel=0)
+    give_grads(0, params)
+    swapped.step()
+    before = {k: v.clone() for k, v in swapped.state[params[0]].items()}
+    with pytest.raises(ValueError, match="Muon updates 2-D matrices only"):
+        swapped.add_param_group(dict(params=[nn.Parameter(torch.zeros(7))]))
+    assert len(swapped.param_groups) == 1
+    assert all(torch.equal(swapped.state[params[0]][k], v) for k, v in before.items())
+    give_grads(1, params)
+    swapped.step()
+
+
+@pytest.mark.parametrize("setting,message", [
+    (dict(state_dtype=torch.bfloat16), "state_dtype work\\(s\\) with Adam/AdamW only"),
+    (dict(master_weights=True), "master_weights"),
+    (dict(overlap_forward=True), "overlap_forward"),
+    (dict(state_keys=("exp_avg",)), "are not states of SGD here; its states are \\['momentum_buffer'\\]"),
+])
+def test_adam_only_settings_are_refused(setting, message):
+    with pytest.raises(ValueError, match=message):
+        so.SwapOptimizer(torch.optim.SGD(make_params("SGD"), lr=0.1, momentum=0.9), **setting)
+
+
+@pytest.mark.parametrize("dtype,message", [(torch.float64, "has dtype torch.float64"),
+                                           (torch.complex64, "is complex")])
+def test_float64_and_complex_params_are_refused(dtype, message):
+    with pytest.raises(TypeError, match=message):
+        so.SwapOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(4, dtype=dtype))], lr=0.1, momentum=0.9))
+
+
+def test_state_keys_keep_the_others_on_the_device():
+    """state_keys names the wrapped optimizer's states: the ones not named stay
+    resident, and the results do not change."""
+    _, swapped = run_pair("RMSprop", CASES[3][1], steps=5, swap_times=4, state_keys=("square_avg",))
+    assert swapped.memory_stats()["swapped_state_keys"] == ["square_avg"]
+    assert swapped.memory_stats()["resident_state_bytes"] > 0
+
+
+def test_a_failure_inside_torchs_step_tears_the_batch_and_a_checkpoint_mends_it():
+    """torch's own step raising for a batch (a group value only its update
+    reads) may have written part of that batch: its params are marked torn,
+    step() refuses until a state dict is loaded, and then training goes on."""
+    params = make_params("SGD")
+    swapped = so.SwapOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False), swap_times=2,
+                               min_numel=0)
+    give_grads(0, params)
+    swapped.step()
+    saved = swapped.state_dict()
+    swapped.param_groups[0]["lr"] = "fast"
+    give_grads(1, params)
+    with pytest.raises(RuntimeError, match="may be partly updated"):
+        swapped.step()
+    swapped.param_groups[0]["lr"] = 0.1
+    with pytest.raises(RuntimeError, match="partly updated; step\\(\\) refuses to run"):
+        swapped.step()
+    swapped.load_state_dict(saved)
+    swapped.step()
