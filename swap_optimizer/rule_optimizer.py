@@ -27,13 +27,22 @@ def _refuse_settings(config: SwapOptimizerConfig, name: str) -> None:
                          f"{name}; leave them at their defaults (GradScaler still works through its unscale_)")
 
 
-def _check_groups(optimizer: torch.optim.Optimizer, name: str) -> None:
+def _check_groups(optimizer: torch.optim.Optimizer, declaration: Declaration) -> None:
+    """What torch's update could not run exactly here, refused before anything moves."""
+    name = type(optimizer).__name__
     for index, group in enumerate(optimizer.param_groups):
         for flag in ("capturable", "differentiable"):
             if group.get(flag):
                 raise ValueError(f"SwapOptimizer: param group {index} of {name} has {flag}=True, which SwapOptimizer "
                                  f"does not support (it stages the state batch by batch); create the optimizer with "
                                  f"{flag}=False")
+        if group.get("fused") and not all(p.is_contiguous() for p in group["params"]):
+            # torch makes a fused state with its param's strides and pairs
+            # elements by memory position; the store's views are contiguous.
+            raise ValueError(f"SwapOptimizer: param group {index} of {name} has fused=True and a non-contiguous "
+                             "param; use fused=False for that group, or make the param contiguous")
+    if declaration.validate is not None:
+        declaration.validate(optimizer)
 
 
 class _Kept(NamedTuple):
@@ -60,15 +69,13 @@ class RuleSwapOptimizer(SwapOptimizer):
         if model is not None:
             raise ValueError("SwapOptimizer: model= is read only with overlap_forward=True (Adam/AdamW only for now); "
                              "leave model= out")
-        _check_groups(optimizer, name)
+        _check_groups(optimizer, declaration)
         all_params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device = _check_params(all_params, None)
         _check_distinct(all_params)
         if any(_is_dtensor(p) for p in all_params):
             raise ValueError(f"SwapOptimizer: {name} with DTensor params (FSDP2) is not supported yet; wrap "
                              "Adam/AdamW, or keep this optimizer's state on the device")
-        if declaration.validate is not None:
-            declaration.validate(optimizer)
         self.declaration: Declaration = declaration
         self.optimizer = optimizer
         self._overlap = None
@@ -245,7 +252,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         if closure is not None:  # as torch.optim: evaluated once, before the update
             with torch.enable_grad():
                 loss = closure()
-        _check_groups(self.optimizer, type(self.optimizer).__name__)
+        _check_groups(self.optimizer, self.declaration)
         self._follow()
         params = self._params()
         data_pointers = [p.data_ptr() for p in params]
@@ -263,7 +270,8 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._step_groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         self._group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         self._had_state = list(self._shown)
-        self._scalars_before = [dict(s) for s in self._scalars]
+        self._scalars_before = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                                for s in self._scalars]  # apart from the kept tensors, which the last piece writes
         self._stepping = True
         try:
             self._runtime.step(params, grads, [], None, None, deferred=False)
@@ -376,14 +384,16 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._refuse_inside_step("load_state_dict")
         inner = self.optimizer
         self._runtime.synchronize()
-        saved_state = inner.state
+        saved_state, saved_groups = inner.state, inner.param_groups
         try:
-            torch.optim.Optimizer.load_state_dict(inner, state_dict)
+            torch.optim.Optimizer.load_state_dict(inner, state_dict)  # torch's checks and casts; new groups
             loaded = {p: dict(entry) for p, entry in inner.state.items() if entry}
-        finally:
             inner.state = saved_state
-        self._runtime.clear_torn()
-        self._lay_out(loaded)
+            _check_groups(inner, self.declaration)
+            self._lay_out(loaded)  # a new store (no torn params), or an error before anything is replaced
+        except BaseException:
+            inner.state, inner.param_groups = saved_state, saved_groups
+            raise
 
     def add_param_group(self, param_group: dict) -> None:  # noqa: D102  (torch.optim API)
         if self.__dict__.get("_runtime") is None:  # called by Optimizer.__init__
@@ -398,9 +408,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         added = self.param_groups[-1]["params"]
         previous.update({p: dict(state[p]) for p in added if state.get(p)})
         try:
-            if self.declaration.validate is not None:
-                self.declaration.validate(self.optimizer)
-            _check_groups(self.optimizer, type(self.optimizer).__name__)
+            _check_groups(self.optimizer, self.declaration)
             _check_params(self._params(), self._device)
             _check_distinct(self._params())
             self._lay_out(previous)

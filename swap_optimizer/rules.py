@@ -84,6 +84,18 @@ def _adafactor_states(param, group):
                                StateSpec("col_var", WHOLE, lambda shape: (*shape[:-2], 1, shape[-1]))]
 
 
+def _validate_adafactor(optimizer):
+    # eps=(None, ...) takes eps1 from the dtype of the first param torch's call
+    # sees in the group; batch by batch that could be another param's dtype.
+    for index, group in enumerate(optimizer.param_groups):
+        if group["eps"][0] is None and len({p.dtype for p in group["params"]}) > 1:
+            raise ValueError(f"SwapOptimizer: param group {index} of Adafactor mixes param dtypes "
+                             f"{sorted(str(p.dtype) for p in {p.dtype: p for p in group['params']}.values())} with "
+                             "eps=(None, ...): torch takes eps1 from the dtype of the first param of its call, which "
+                             "batch by batch may be another one. Give eps1 explicitly (eps=(1e-30, 1e-3), say), or "
+                             "one dtype per group")
+
+
 def _validate_muon(optimizer):
     for index, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -110,7 +122,7 @@ DECLARATIONS: list[Declaration] = [
     Declaration((torch.optim.Rprop,), lambda p, g: _scalars("step") + _elements("prev", "step_size"),
                 elementwise=True),
     # Adafactor reads param.norm(): never cut, even 1-D.
-    Declaration((torch.optim.Adafactor,), _adafactor_states, elementwise=False),
+    Declaration((torch.optim.Adafactor,), _adafactor_states, elementwise=False, validate=_validate_adafactor),
     # Muon's Newton-Schulz iteration needs the whole matrix: never cut.
     Declaration((torch.optim.Muon,), lambda p, g: _elements("momentum_buffer"), elementwise=False,
                 validate=_validate_muon),

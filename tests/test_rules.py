@@ -352,3 +352,55 @@ def test_a_failure_inside_torchs_step_tears_the_batch_and_a_checkpoint_mends_it(
         swapped.step()
     swapped.load_state_dict(saved)
     swapped.step()
+
+
+def test_adafactor_mixing_dtypes_needs_an_explicit_eps1():
+    """eps=(None, ...) takes eps1 from the first param of torch's call, which
+    batch by batch may have another dtype: refused; with eps1 given, a mixed
+    group is bitwise the plain one."""
+    def mixed():
+        generator = torch.Generator().manual_seed(3)
+        return [nn.Parameter(torch.randn(300, 300, generator=generator).to(dtype))
+                for dtype in (torch.float32, torch.float16)]
+    with pytest.raises(ValueError, match="mixes param dtypes .* with eps=\\(None, ...\\)"):
+        so.SwapOptimizer(torch.optim.Adafactor(mixed(), lr=0.01), swap_times=2, min_numel=0)
+    a, b = mixed(), mixed()
+    plain = torch.optim.Adafactor(a, lr=0.01, eps=(1e-30, 1e-3))
+    swapped = so.SwapOptimizer(torch.optim.Adafactor(b, lr=0.01, eps=(1e-30, 1e-3)), swap_times=2, min_numel=0)
+    assert swapped.memory_stats()["batches"] == 2
+    for step in range(4):
+        give_grads(step, a, b)
+        plain.step()
+        swapped.step()
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
+
+
+def test_fused_with_a_non_contiguous_param_is_refused():
+    param = nn.Parameter(torch.randn(64, 48).t())
+    with pytest.raises(ValueError, match="has fused=True and a non-contiguous param"):
+        so.SwapOptimizer(torch.optim.Adagrad([param], fused=True), min_numel=0)
+
+
+def test_a_rejected_load_keeps_the_groups_and_the_torn_refusal():
+    """A state dict refused by load_state_dict changes nothing: the groups stay
+    the optimizer's own, and a torn optimizer still refuses to step."""
+    params = make_params("SGD")
+    swapped = so.SwapOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False), swap_times=2,
+                               min_numel=0)
+    give_grads(0, params)
+    swapped.step()
+    saved = swapped.state_dict()  # as torch's, it shares the state's entries: edited on copies
+    bad = dict(param_groups=[dict(g, lr=123.0) for g in saved["param_groups"]],
+               state={i: dict(e) for i, e in saved["state"].items()})
+    bad["state"][0]["momentum_buffer"] = torch.zeros(3)
+    swapped.param_groups[0]["lr"] = "fast"
+    give_grads(1, params)
+    with pytest.raises(RuntimeError, match="may be partly updated"):
+        swapped.step()
+    swapped.param_groups[0]["lr"] = 0.1
+    with pytest.raises(ValueError, match="'momentum_buffer' has shape \\(3,\\)"):
+        swapped.load_state_dict(bad)
+    assert swapped.param_groups[0]["lr"] == 0.1
+    with pytest.raises(RuntimeError, match="partly updated; step\\(\\) refuses to run"):
+        swapped.step()
