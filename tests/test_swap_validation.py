@@ -20,8 +20,15 @@ class OwnStep(torch.optim.AdamW):
         return super().step(closure)
 
 
+class HandWrittenLion(torch.optim.Optimizer):
+    """An optimizer of the user's own (no declaration covers it)."""
+
+    def __init__(self, params):
+        super().__init__(params, dict(lr=1e-4))
+
+
 @pytest.mark.parametrize("make, error, message", [
-    (lambda: torch.optim.SGD(params(), lr=0.1), TypeError, "wraps torch.optim.Adam or AdamW"),
+    (lambda: HandWrittenLion(params()), TypeError, "wraps torch.optim.Adam or AdamW .* got HandWrittenLion"),
     (lambda: OwnStep(params()), TypeError, "got OwnStep"),
     (lambda: torch.optim.Adam(params(), capturable=True), ValueError, "capturable=True.*capturable=False"),
     (lambda: torch.optim.AdamW(params(), differentiable=True), ValueError, "differentiable=True"),
