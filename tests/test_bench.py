@@ -170,3 +170,27 @@ def test_overlap_joins_the_training_step_comparison(tmp_path, capsys):
     assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "loop vs resident" in out and "| swap s4 a3 overlap |" in out
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adafactor"])
+def test_another_optimizer_runs_the_main_job(tmp_path, capsys, optimizer):
+    """--optimizer: the resident mode is the plain optimizer, the swap modes
+    stream its own states (SGD's momentum: 4 bytes per param each way in fp32;
+    Adafactor's factored variances: far fewer)."""
+    report, _ = run(tmp_path, "--optimizer", optimizer, "--swap-times", "2", "--num-arenas", "2")
+    assert report["settings"]["optimizer"] == optimizer
+    rows = {row["mode"]: row for row in report["modes"]}
+    assert set(rows) == {"resident", "swap s2 a2"}
+    swap = rows["swap s2 a2"]
+    assert swap["h2d_bytes"] > 0 and swap["batches"] >= 1
+    if optimizer == "sgd":
+        assert swap["bytes_per_param_each_way"] == pytest.approx(4.0, rel=0.01)
+    else:
+        assert swap["bytes_per_param_each_way"] < 1.0
+    assert f"{'SGD' if optimizer == 'sgd' else 'Adafactor'} on micro GPT" in capsys.readouterr().out
+
+
+def test_adamw_only_bench_options_are_argument_errors(capsys):
+    with pytest.raises(SystemExit):
+        main(["--quick", "--optimizer", "sgd", "--overlap"])
+    assert "work with --optimizer adamw only" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import torch
 from .. import built_with_cuda
 from .model import PRESETS, GPTConfig
 from .report import Progress, overlap_check_costs, table, write_json, write_plot, write_timeline
-from .runner import STATE_MODES, make_modes, measure_bandwidth, run_mode, torchao_offload_class
+from .runner import OPTIMIZERS, STATE_MODES, make_modes, measure_bandwidth, run_mode, torchao_offload_class
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -83,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state-modes", type=_state_modes, default=("default",),
                    help=f"comma-separated state forms of the swap modes, from {', '.join(STATE_MODES)} "
                         "(kahan ones need --dtype bf16 or fp16; default: default)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
+                   help="the optimizer every mode runs (default adamw; master weights, --state-modes other than "
+                        "default, --overlap and the torchao peer are AdamW's only)")
     p.add_argument("--warmup", type=_positive_int, default=3, help="untimed steps per mode")
     p.add_argument("--repeats", type=_positive_int, default=10, help="timed steps per mode (median; at least 10)")
     p.add_argument("--quick", action="store_true", help="the micro model, one warm-up step: about 30 s on a CPU")
@@ -109,6 +112,8 @@ def check_arguments(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--timeline writes a PNG: give a path ending in .png, got {args.timeline}")
     if args.repeats < 10 and not args.quick:
         p.error("--repeats must be at least 10: the step time is the median of at least 10 steps")
+    if args.optimizer != "adamw" and (args.overlap or args.state_modes != ("default",)):
+        p.error(f"--overlap and --state-modes work with --optimizer adamw only, not {args.optimizer}")
 
 
 def model_config(args, p: argparse.ArgumentParser) -> tuple[str, GPTConfig]:
@@ -179,9 +184,11 @@ def main(argv=None) -> int:
     bandwidth = measure_bandwidth(device, 64 << 20 if not cpu else 16 << 20, 5)
     if dtype == torch.float32 and any(state.startswith("kahan") for state in args.state_modes):
         p.error("--state-modes kahan+...: Kahan summation applies to 16-bit params; add --dtype bf16 or fp16")
-    modes = make_modes(device, dtype, args.swap_times, args.num_arenas, args.state_modes, args.overlap)
+    modes = make_modes(device, dtype, args.swap_times, args.num_arenas, args.state_modes, args.overlap,
+                       args.optimizer)
     timeline_mode = next((m for m in modes if m.overlap), None) if args.timeline else None
-    print(f"swap_optimizer benchmark: {preset} GPT ({config.param_count() / 1e6:,.1f}M params, {args.dtype}), "
+    print(f"swap_optimizer benchmark: {OPTIMIZERS[args.optimizer][0].__name__} on "
+          f"{preset} GPT ({config.param_count() / 1e6:,.1f}M params, {args.dtype}), "
           f"batch {args.batch_size} x {config.seq_len} tokens on {device}; {len(modes)} modes, "
           f"median of {args.repeats} steps after {warmup} warm-up", flush=True)
     if cpu:
@@ -209,7 +216,8 @@ def main(argv=None) -> int:
               "model": {"preset": preset, "params": config.param_count(), "dtype": args.dtype,
                         "block_param_bytes": config.block_param_count() * dtype.itemsize,
                         "batch_size": args.batch_size, **config.as_dict()},
-              "settings": {"warmup": warmup, "repeats": args.repeats, "swap_times": args.swap_times,
+              "settings": {"optimizer": args.optimizer, "warmup": warmup, "repeats": args.repeats,
+                           "swap_times": args.swap_times,
                            "num_arenas": args.num_arenas, "overlap": args.overlap,
                            "memory": "runtime accounting" if cpu else "torch.cuda.max_memory_allocated",
                            "times": "perf_counter (CPU)" if cpu else "CUDA events"},

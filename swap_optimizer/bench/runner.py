@@ -32,7 +32,24 @@ class Mode:
     master_weights: bool = False
     state: str = "default"  # a key of STATE_MODES
     overlap: bool = False   # overlap_forward=True: the step runs beside the next forward
+    optimizer: str = "adamw"  # a key of OPTIMIZERS
 
+
+# The optimizers --optimizer picks: (class, hyper-parameters). The resident
+# mode runs the class itself (AdamW fused, the others torch's default path).
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=LR)),
+    "sgd": (torch.optim.SGD, dict(lr=LR, momentum=0.9)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=LR)),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=LR)),
+    "adadelta": (torch.optim.Adadelta, dict(lr=LR)),
+    "adamax": (torch.optim.Adamax, dict(lr=LR)),
+    "nadam": (torch.optim.NAdam, dict(lr=LR)),
+    "radam": (torch.optim.RAdam, dict(lr=LR)),
+    "asgd": (torch.optim.ASGD, dict(lr=LR)),
+    "rprop": (torch.optim.Rprop, dict(lr=LR)),
+    "adafactor": (torch.optim.Adafactor, dict(lr=LR)),
+}
 
 # How a swap mode stores its state: SwapOptimizer fields ("default": as torch).
 STATE_MODES = {
@@ -99,20 +116,23 @@ def torchao_offload_class():
 
 
 def make_modes(device: torch.device, dtype: torch.dtype, swap_times: list[int], num_arenas: list[int],
-               states: tuple[str, ...] = ("default",), overlap: bool = False) -> list[Mode]:
+               states: tuple[str, ...] = ("default",), overlap: bool = False, optimizer: str = "adamw") -> list[Mode]:
     """Resident, then each swap setting (with overlap: followed by its
-    overlapped twin), then peers."""
-    modes = [Mode("resident", "resident")]
+    overlapped twin), then peers. Master weights, compact states, overlap and
+    the torchao peer are AdamW's only."""
+    adamw = optimizer == "adamw"
+    modes = [Mode("resident", "resident", optimizer=optimizer)]
     for state in states:
-        masters = [False, True] if dtype != torch.float32 and state == "default" else [False]
+        masters = [False, True] if dtype != torch.float32 and state == "default" and adamw else [False]
         for master in masters:
             for arenas in num_arenas:
                 for times in swap_times:
                     suffix = ("+master" if master else "") + ("" if state == "default" else f" {state}")
-                    modes.append(Mode(f"swap s{times} a{arenas}{suffix}", "swap", times, arenas, master, state))
+                    modes.append(Mode(f"swap s{times} a{arenas}{suffix}", "swap", times, arenas, master, state,
+                                      optimizer=optimizer))
                     if overlap:
                         modes.append(replace(modes[-1], name=modes[-1].name + " overlap", overlap=True))
-    if device.type == "cuda" and torchao_offload_class() is not None:
+    if device.type == "cuda" and adamw and torchao_offload_class() is not None:
         modes.append(Mode("torchao CPUOffloadOptimizer", "torchao"))
     return modes
 
@@ -143,21 +163,24 @@ class Timer:
 
 def build_optimizer(mode: Mode, model: GPT):
     params = model.parameters()
+    cls, hyper = OPTIMIZERS[mode.optimizer]
     if mode.kind == "resident":
-        return torch.optim.AdamW(params, lr=LR, fused=True)
+        return cls(params, **hyper, **(dict(fused=True) if mode.optimizer == "adamw" else {}))
     if mode.kind == "torchao":
         return torchao_offload_class()(params, torch.optim.AdamW, lr=LR, fused=True)
-    fields = STATE_MODES[mode.state] or dict(master_weights=mode.master_weights,
-                                             state_dtype=torch.float32 if mode.master_weights else None)
+    fields = STATE_MODES[mode.state] or (dict(master_weights=mode.master_weights,
+                                              state_dtype=torch.float32 if mode.master_weights else None)
+                                         if mode.optimizer == "adamw" else {})
     if mode.overlap:
         fields = dict(fields, model=model, overlap_forward=True)
-    return SwapOptimizer(torch.optim.AdamW(params, lr=LR), swap_times=mode.swap_times, num_arenas=mode.num_arenas,
-                         **fields)
+    return SwapOptimizer(cls(params, **hyper), swap_times=mode.swap_times, num_arenas=mode.num_arenas, **fields)
 
 
-def resident_state_bytes(model: GPT) -> int:
-    """Bytes of torch's AdamW state for the model: exp_avg and exp_avg_sq in the params' dtype."""
-    return sum(2 * p.numel() * p.element_size() for p in model.parameters())
+def resident_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors a plain torch optimizer keeps per param (its state
+    after the timed steps; 0-dim step counts included)."""
+    return sum(value.numel() * value.element_size() for entry in optimizer.state.values()
+               for value in entry.values() if torch.is_tensor(value))
 
 
 def time_training_loop(model: GPT, optimizer, tokens: torch.Tensor, timer: "Timer",
@@ -335,7 +358,7 @@ def run_mode(mode: Mode, config: GPTConfig, dtype: torch.dtype, device: torch.de
         if mode.kind == "swap":
             on_device = extra["peak_staging_bytes"] + extra["resident_state_bytes"]
         else:
-            on_device = resident_state_bytes(model)
+            on_device = resident_state_bytes(optimizer)
         peak_train = peak_step = 2 * model_bytes + on_device
     # An overlapped step() only enqueues: its time says nothing against the copy floor.
     floor = bandwidth.floor_seconds(h2d, d2h, two_way) if (h2d or d2h) and not mode.overlap else None
