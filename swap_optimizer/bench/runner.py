@@ -177,10 +177,10 @@ def build_optimizer(mode: Mode, model: GPT):
 
 
 def resident_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the tensors a plain torch optimizer keeps per param (its state
-    after the timed steps; 0-dim step counts included)."""
+    """Bytes of the state tensors a plain torch optimizer keeps per param after
+    the timed steps (0-dim scalars such as step counts left out)."""
     return sum(value.numel() * value.element_size() for entry in optimizer.state.values()
-               for value in entry.values() if torch.is_tensor(value))
+               for value in entry.values() if torch.is_tensor(value) and value.dim() > 0)
 
 
 def time_training_loop(model: GPT, optimizer, tokens: torch.Tensor, timer: "Timer",
