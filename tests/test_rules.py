@@ -404,3 +404,35 @@ def test_a_rejected_load_keeps_the_groups_and_the_torn_refusal():
     assert swapped.param_groups[0]["lr"] == 0.1
     with pytest.raises(RuntimeError, match="partly updated; step\\(\\) refuses to run"):
         swapped.step()
+
+
+def test_muon_for_the_matrices_beside_adamw_for_the_rest():
+    """Muon's usual set-up: the hidden matrices on Muon, the embedding, norms
+    and head on AdamW, each its own SwapOptimizer, stepped in one loop with
+    the same grads as their plain twins. Muon is bitwise torch's; AdamW within
+    its fused kernel's stated tolerance (docs/design.md). Each step releases
+    its arenas, so at any time the device holds at most the larger staging of
+    the two."""
+    def params():
+        generator = torch.Generator().manual_seed(7)
+        hidden = [nn.Parameter(torch.randn(256, 512, generator=generator)),
+                  nn.Parameter(torch.randn(512, 256, generator=generator))]
+        rest = [nn.Parameter(torch.randn(*shape, generator=generator)) for shape in ((1000, 256), (256,), (256,))]
+        return hidden, rest
+
+    (hidden_a, rest_a), (hidden_b, rest_b) = params(), params()
+    plain = [torch.optim.Muon(hidden_a, lr=0.02), torch.optim.AdamW(rest_a, lr=1e-3)]
+    swapped = [so.SwapOptimizer(torch.optim.Muon(hidden_b, lr=0.02), swap_times=2, min_numel=0),
+               so.SwapOptimizer(torch.optim.AdamW(rest_b, lr=1e-3), swap_times=2, min_numel=0)]
+    for step in range(6):
+        give_grads(step, hidden_a + rest_a, hidden_b + rest_b)
+        for optimizer in plain + swapped:
+            optimizer.step()
+        for optimizer in swapped:
+            assert optimizer.memory_stats()["staging_bytes"] == 0  # released once its step is done
+    assert all(same_bits(p, q) for p, q in zip(hidden_a, hidden_b))
+    assert_same_state(plain[0], swapped[0])
+    for p, q in zip(rest_a, rest_b):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    peaks = [optimizer.memory_stats()["peak_staging_bytes"] for optimizer in swapped]
+    assert all(peak > 0 for peak in peaks)
