@@ -11,7 +11,8 @@ import torch
 
 from . import _C
 from .config import SwapOptimizerConfig
-from .optimizer import SwapOptimizer, _check_distinct, _check_params, _is_dtensor
+from .distributed import _is_dtensor
+from .optimizer import SwapOptimizer, _check_distinct, _check_params
 from .rules import ELEMENT, SCALAR, WHOLE, Declaration, declaration_for, run_torch_update
 
 
