@@ -4,6 +4,9 @@ torch's own step of the wrapped class (swap_optimizer.rules)."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import weakref
 from typing import Any, NamedTuple, Optional
 
@@ -13,6 +16,7 @@ from . import _C
 from .config import SwapOptimizerConfig
 from .distributed import _is_dtensor
 from .optimizer import SwapOptimizer, _check_distinct, _check_params
+from .overlap import _HANDLED_SIGNALS
 from .rules import ELEMENT, SCALAR, WHOLE, Declaration, declaration_for, run_torch_update
 
 
@@ -44,6 +48,32 @@ def _check_groups(optimizer: torch.optim.Optimizer, declaration: Declaration) ->
                              "param; use fused=False for that group, or make the param contiguous")
     if declaration.validate is not None:
         declaration.validate(optimizer)
+
+
+@contextlib.contextmanager
+def _signals_after_the_step():
+    """Python signal handlers run between any two bytecodes, and torch's
+    update is Python: a Ctrl-C landing inside a batch's update would leave its
+    params partly written. During the step, the Python handlers of the usual
+    signals only note the signal; once the step is done (every param wholly
+    new) each noted signal is raised again for its own handler. (Handlers run
+    on the main thread only: a step on another thread is never interrupted.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted, saved = [], {}
+    for signum in _HANDLED_SIGNALS:
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            saved[signum] = handler
+            signal.signal(signum, lambda received, frame: noted.append(received))
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+        for signum in noted:
+            signal.raise_signal(signum)
 
 
 class _Kept(NamedTuple):
@@ -273,17 +303,18 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._had_state = list(self._shown)
         self._scalars_before = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                                 for s in self._scalars]  # apart from the kept tensors, which the last piece writes
-        self._stepping = True
-        try:
-            self._runtime.step(params, grads, [], None, None, deferred=False)
-        finally:
-            self._stepping = False
-            self._step_groups = None
-        state = self.__dict__["_state"]
-        for i, grad in enumerate(grads):
-            if grad is not None and self._layouts_now[i]:  # SGD without momentum keeps no state, as in torch
-                self._shown[i] = True
-                state[params[i]] = self._entry(i)  # a first step's scalars are new objects
+        with _signals_after_the_step():  # raised once the step and its bookkeeping are done
+            self._stepping = True
+            try:
+                self._runtime.step(params, grads, [], None, None, deferred=False)
+            finally:
+                self._stepping = False
+                self._step_groups = None
+            state = self.__dict__["_state"]
+            for i, grad in enumerate(grads):
+                if grad is not None and self._layouts_now[i]:  # SGD without momentum keeps no state, as in torch
+                    self._shown[i] = True
+                    state[params[i]] = self._entry(i)  # a first step's scalars are new objects
         return loss
 
     def _sync_edits(self, params: list[torch.Tensor]) -> None:

@@ -436,3 +436,32 @@ def test_muon_for_the_matrices_beside_adamw_for_the_rest():
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
     peaks = [optimizer.memory_stats()["peak_staging_bytes"] for optimizer in swapped]
     assert all(peak > 0 for peak in peaks)
+
+
+@pytest.mark.parametrize("name", ["SGD", "NAdam", "Adafactor"])
+def test_an_interrupt_lets_the_step_finish_then_raises(name):
+    """Ctrl-C during the step (at every batch): torch's update is Python, where
+    a signal could land mid-batch, so the step finishes first and the
+    KeyboardInterrupt follows it. Every param and its states, scalars
+    included, are then new, bitwise the plain optimizer's, and stepping goes
+    on."""
+    kwargs = dict(next(k for n, k in CASES if n == name))
+    cls = getattr(torch.optim, name)
+    a, b = make_params(name), make_params(name)
+    plain = cls(a, **kwargs)
+    swapped = so.SwapOptimizer(cls(b, **kwargs), swap_times=4, min_numel=0)
+    batches = len(swapped._batch_plan())
+    assert batches >= 3
+    for step, fault_batch in enumerate(range(1, batches)):  # taken between batches
+        give_grads(step, a, b)
+        plain.step()
+        swapped._set_test_hooks(fault="interrupt", fault_batch=fault_batch)
+        with pytest.raises(KeyboardInterrupt):
+            swapped.step()
+        swapped._set_test_hooks()
+        assert all(same_bits(p, q) for p, q in zip(a, b)), fault_batch
+        assert_same_state(plain, swapped)
+    give_grads(99, a, b)
+    plain.step()
+    swapped.step()
+    assert all(same_bits(p, q) for p, q in zip(a, b))
