@@ -5,6 +5,7 @@ torch's own step of the wrapped class (swap_optimizer.rules)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import threading
 import weakref
@@ -76,6 +77,11 @@ def _signals_after_the_step():
             signal.raise_signal(signum)
 
 
+def _copied(entry: dict) -> dict:
+    """A state entry whose tensors are copies (a new store is filled from it)."""
+    return {key: value.clone() if torch.is_tensor(value) else value for key, value in entry.items()}
+
+
 class _Kept(NamedTuple):
     """A state a param keeps: its name, kind and (whole states) shape."""
     name: str
@@ -123,9 +129,9 @@ class RuleSwapOptimizer(SwapOptimizer):
         optimizer.load_state_dict = lambda state_dict: itself().load_state_dict(state_dict)
 
     # ---------------------------------------------------------------- layout
-    def _layouts(self, params: list[torch.Tensor]) -> list[tuple]:
-        """Per param, the states it keeps now: fixed at its first step (its
-        states then exist), else from its group's current settings."""
+    def _layouts(self) -> list[tuple]:
+        """Per param in group order, the states its group's current settings
+        give it (_follow holds a param that has stepped to the ones it has)."""
         layouts = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -137,7 +143,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         """Builds the store for the current params and their layouts, filled
         from `previous` (param -> its state as torch.optim holds it)."""
         params = self._params()
-        layouts = self._layouts(params)
+        layouts = self._layouts()
         keys: list[str] = []
         for specs in layouts:
             keys += [s.name for s in specs if s.kind != SCALAR and s.name not in keys]
@@ -152,11 +158,7 @@ class RuleSwapOptimizer(SwapOptimizer):
                 elif spec.kind == ELEMENT:
                     row.append((key, "element", p.element_size(), p.dtype, list(p.shape)))
                 else:
-                    shape = list(spec.shape)
-                    numel = 1
-                    for size in shape:
-                        numel *= size
-                    row.append((key, "whole", numel * p.element_size(), p.dtype, shape))
+                    row.append((key, "whole", math.prod(spec.shape) * p.element_size(), p.dtype, list(spec.shape)))
             states.append(row)
             kept = any(s.kind != SCALAR for s in specs)
             swappable.append(kept and p.numel() >= self.config.min_numel and p.is_contiguous())
@@ -196,6 +198,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         runtime.order_writes()
         self._runtime = runtime
         self._keys = keys
+        self._swap_keys = swap_keys
         self._layouts_now = layouts
         self._views = views
         self._scalars = scalars
@@ -247,7 +250,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         has stepped keeps its states, as torch's; a change of setting that
         would need others is refused."""
         params = self._params()
-        layouts = self._layouts(params)
+        layouts = self._layouts()
         same_params = [id(p) for p in params] == self._param_ids and \
             [len(g["params"]) for g in self.param_groups] == self._group_sizes
         if same_params and layouts == self._layouts_now:
@@ -263,14 +266,15 @@ class RuleSwapOptimizer(SwapOptimizer):
         _check_params(params, self._device)
         _check_distinct(params)
         self._refuse_if_torn("step")
-        previous = {p: self._entry(i) for i, p in enumerate(self._params_laid_out()) if self._shown[i]}
-        self._runtime.synchronize()
-        self._lay_out({p: {k: v.clone() if torch.is_tensor(v) else v for k, v in e.items()}
-                       for p, e in previous.items()})
+        self._lay_out(self._kept_state())
 
-    def _params_laid_out(self) -> list[torch.Tensor]:
+    def _kept_state(self) -> dict:
+        """Copies of the state of every param the store was laid out for that is
+        still in the groups (param -> entry), to fill a new store from."""
+        self._runtime.synchronize()
         by_id = {id(p): p for p in self._params()}
-        return [by_id.get(pid) for pid in self._param_ids]
+        return {by_id[pid]: _copied(self._entry(i)) for i, pid in enumerate(self._param_ids)
+                if self._shown[i] and pid in by_id}
 
     # ------------------------------------------------------------------ step
     @torch.compiler.disable
@@ -332,11 +336,8 @@ class RuleSwapOptimizer(SwapOptimizer):
             changed.append(i)
         if not changed:
             return
-        previous = {p: (state.get(p) or {}) for p in params}
-        previous = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in e.items()}
-                    for p, e in previous.items() if e}
         self._runtime.synchronize()
-        self._lay_out(previous)
+        self._lay_out({p: _copied(state[p]) for p in params if state.get(p)})
 
     def _update_batch(self, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
                       grads: list[Optional[torch.Tensor]]) -> None:
@@ -432,9 +433,7 @@ class RuleSwapOptimizer(SwapOptimizer):
             return torch.optim.Optimizer.add_param_group(self, param_group)
         self = self._itself
         self._refuse_inside_step("add_param_group")
-        self._runtime.synchronize()
-        previous = {p: self._entry(i) for i, p in enumerate(self._params()) if self._shown[i]}
-        previous = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in e.items()} for p, e in previous.items()}
+        previous = self._kept_state()
         self.optimizer.add_param_group(param_group)  # validates, and makes eager states (Adagrad's sum)
         state = self.__dict__["_state"]  # the wrapped optimizer's too: its eager states land here
         added = self.param_groups[-1]["params"]
@@ -451,13 +450,10 @@ class RuleSwapOptimizer(SwapOptimizer):
             raise
 
     def memory_stats(self) -> dict[str, Any]:
-        """As SwapOptimizer's; swapped_bytes 0 means nothing is swapped (an
-        optimizer that keeps no state for its params, such as SGD without
-        momentum)."""
-        stats = self._itself._runtime.memory_stats()
-        stats["swapped_state_keys"] = [k for k, swapped in zip(self._itself._keys, self._itself._swap_flags())
-                                       if swapped]
+        """As SwapOptimizer's, and the state keys that go to host memory;
+        host_state_bytes 0 means nothing is swapped (an optimizer that keeps no
+        state for its params, such as SGD without momentum)."""
+        itself = self._itself
+        stats = itself._runtime.memory_stats()
+        stats["swapped_state_keys"] = [k for k, swapped in zip(itself._keys, itself._swap_keys) if swapped]
         return stats
-
-    def _swap_flags(self) -> list[bool]:
-        return [self.config.state_keys is None or key in self.config.state_keys for key in self._keys]

@@ -333,10 +333,10 @@ def test_state_keys_keep_the_others_on_the_device():
     assert swapped.memory_stats()["resident_state_bytes"] > 0
 
 
-def test_a_failure_inside_torchs_step_tears_the_batch_and_a_checkpoint_mends_it():
-    """torch's own step raising for a batch (a group value only its update
-    reads) may have written part of that batch: its params are marked torn,
-    step() refuses until a state dict is loaded, and then training goes on."""
+def torn_sgd():
+    """An SGD SwapOptimizer after one step, whose second step failed inside
+    torch's own update (a group value only the update reads), so that its
+    batch is torn; and the state dict saved after the first step."""
     params = make_params("SGD")
     swapped = so.SwapOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False), swap_times=2,
                                min_numel=0)
@@ -348,6 +348,14 @@ def test_a_failure_inside_torchs_step_tears_the_batch_and_a_checkpoint_mends_it(
     with pytest.raises(RuntimeError, match="may be partly updated"):
         swapped.step()
     swapped.param_groups[0]["lr"] = 0.1
+    return swapped, saved
+
+
+def test_a_failure_inside_torchs_step_tears_the_batch_and_a_checkpoint_mends_it():
+    """torch's own step raising for a batch (a group value only its update
+    reads) may have written part of that batch: its params are marked torn,
+    step() refuses until a state dict is loaded, and then training goes on."""
+    swapped, saved = torn_sgd()
     with pytest.raises(RuntimeError, match="partly updated; step\\(\\) refuses to run"):
         swapped.step()
     swapped.load_state_dict(saved)
@@ -385,20 +393,11 @@ def test_fused_with_a_non_contiguous_param_is_refused():
 def test_a_rejected_load_keeps_the_groups_and_the_torn_refusal():
     """A state dict refused by load_state_dict changes nothing: the groups stay
     the optimizer's own, and a torn optimizer still refuses to step."""
-    params = make_params("SGD")
-    swapped = so.SwapOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False), swap_times=2,
-                               min_numel=0)
-    give_grads(0, params)
-    swapped.step()
-    saved = swapped.state_dict()  # as torch's, it shares the state's entries: edited on copies
+    swapped, saved = torn_sgd()
+    # As torch's, the state dict shares the state's entries: edited on copies.
     bad = dict(param_groups=[dict(g, lr=123.0) for g in saved["param_groups"]],
                state={i: dict(e) for i, e in saved["state"].items()})
     bad["state"][0]["momentum_buffer"] = torch.zeros(3)
-    swapped.param_groups[0]["lr"] = "fast"
-    give_grads(1, params)
-    with pytest.raises(RuntimeError, match="may be partly updated"):
-        swapped.step()
-    swapped.param_groups[0]["lr"] = 0.1
     with pytest.raises(ValueError, match="'momentum_buffer' has shape \\(3,\\)"):
         swapped.load_state_dict(bad)
     assert swapped.param_groups[0]["lr"] == 0.1
