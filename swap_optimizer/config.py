@@ -67,6 +67,16 @@ class SwapOptimizerConfig:
         beside the next forward, whose blocks wait for their own params
         (SwapOptimizer's model= argument says which module to hook). Results
         are bitwise those without it. See SwapOptimizer.wait().
+    trust_per_param_step: wrap an optimizer SwapOptimizer has no declaration
+        for (one of your own, or from a package), on your word that its
+        step() reads only each param's own grad and states plus its param
+        group and writes nothing else, and that its states are plain tensors
+        or numbers. Its states are learned at each param's first update, run
+        whole on the device. Ignored for the optimizers SwapOptimizer declares.
+    trust_elementwise_step: also cut such a param into pieces, on your word
+        that each element's update reads only that element of the param, its
+        grad and its param-shaped states (no per-param norm, as in LAMB).
+        Needs trust_per_param_step=True.
     """
 
     swap_times: int = 16
@@ -82,13 +92,19 @@ class SwapOptimizerConfig:
     staging_budget_bytes: Optional[int] = None
     unscale_in_step: Optional[bool] = None
     overlap_forward: bool = False
+    trust_per_param_step: bool = False
+    trust_elementwise_step: bool = False
 
     def __post_init__(self) -> None:
         _check_int("swap_times", self.swap_times, 1)
         _check_int("min_numel", self.min_numel, 0)
         _check_int("num_arenas", self.num_arenas, 2)
-        for name in ("master_weights", "kahan_summation", "pin_memory", "keep_arenas", "overlap_forward"):
+        for name in ("master_weights", "kahan_summation", "pin_memory", "keep_arenas", "overlap_forward",
+                     "trust_per_param_step", "trust_elementwise_step"):
             _check_bool(name, getattr(self, name))
+        if self.trust_elementwise_step and not self.trust_per_param_step:
+            raise ValueError("SwapOptimizerConfig: trust_elementwise_step=True is a second promise on top of "
+                             "trust_per_param_step=True; set both, or neither")
         if self.state_dtype not in _STATE_DTYPES:
             raise ValueError("SwapOptimizerConfig.state_dtype must be None (the param's dtype), torch.float32, "
                              f"torch.bfloat16 or torch.uint8 (8-bit blockwise), got {self.state_dtype!r}")

@@ -28,16 +28,29 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EXECUTION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 
+def _keeps_adam_step(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, torch.optim.Adam) and inspect.unwrap(type(optimizer).step) is _ADAM_STEP
+
+
+def _trusted(args: tuple, kwargs: dict) -> bool:
+    """Whether SwapOptimizer(optimizer, *args, **kwargs) says trust_per_param_step=True."""
+    config = args[0] if args else kwargs.get("config")
+    return bool(kwargs.get("trust_per_param_step", getattr(config, "trust_per_param_step", False)))
+
+
 def _check_optimizer(optimizer: Any) -> None:
     if isinstance(optimizer, SwapOptimizer):
         raise TypeError("this optimizer is already a SwapOptimizer; wrap the torch.optim optimizer itself")
     refused = next((reason for cls, reason in REFUSED.items() if isinstance(optimizer, cls)), None)
     if refused is not None:
         raise TypeError(f"SwapOptimizer cannot wrap {type(optimizer).__name__}: {refused}")
-    if not isinstance(optimizer, torch.optim.Adam) or inspect.unwrap(type(optimizer).step) is not _ADAM_STEP:
+    if not _keeps_adam_step(optimizer):
         supported = ", ".join(sorted(cls.__name__ for d in DECLARATIONS for cls in d.classes))
         raise TypeError(f"SwapOptimizer wraps torch.optim.Adam or AdamW (or subclasses that keep their step) and "
-                        f"torch.optim's {supported} (the classes themselves); got {type(optimizer).__name__}")
+                        f"torch.optim's {supported} (the classes themselves); got {type(optimizer).__name__}. "
+                        "For an optimizer of your own or from a package, SwapOptimizer cannot prove from outside "
+                        "that its step treats each param on its own (a global norm, Prodigy's d): if it does, "
+                        "pass trust_per_param_step=True (see 'Optimizers of your own' in docs/usage.md)")
 
 
 def _check_group_flags(group: dict, index: int) -> None:
@@ -200,8 +213,9 @@ class SwapOptimizer(torch.optim.Optimizer):
     def __new__(cls, optimizer: Optional[torch.optim.Optimizer] = None, *args: Any, **kwargs: Any):
         """Adam/AdamW get the fused kernel; the optimizers swap_optimizer.rules
         declares get their own update through RuleSwapOptimizer."""
-        if cls is SwapOptimizer and optimizer is not None and not isinstance(optimizer, torch.optim.Adam) \
-                and not isinstance(optimizer, SwapOptimizer) and declaration_for(optimizer) is not None:
+        if cls is SwapOptimizer and isinstance(optimizer, torch.optim.Optimizer) \
+                and not isinstance(optimizer, SwapOptimizer) and not _keeps_adam_step(optimizer) \
+                and (declaration_for(optimizer) is not None or _trusted(args, kwargs)):
             from .rule_optimizer import RuleSwapOptimizer
             cls = RuleSwapOptimizer
         return super().__new__(cls)

@@ -46,7 +46,7 @@ import signal
 import threading
 import warnings
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import signal
 import threading
 import weakref
@@ -16,9 +17,10 @@ import torch
 from . import _C
 from .config import SwapOptimizerConfig
 from .distributed import _is_dtensor
-from .optimizer import SwapOptimizer, _check_distinct, _check_params
+from .optimizer import SwapOptimizer, _check_distinct, _check_optimizer, _check_params
 from .overlap import _HANDLED_SIGNALS
-from .rules import ELEMENT, SCALAR, WHOLE, Declaration, declaration_for, run_torch_update
+from .rules import (ELEMENT, REFUSED, SCALAR, WHOLE, Declaration, declaration_for, run_torch_update,
+                    trusted_declaration)
 
 
 def _refuse_settings(config: SwapOptimizerConfig, name: str) -> None:
@@ -83,10 +85,65 @@ def _copied(entry: dict) -> dict:
 
 
 class _Kept(NamedTuple):
-    """A state a param keeps: its name, kind and (whole states) shape."""
+    """A state a param keeps: its name, kind, shape (whole states; element
+    states of a learned layout) and dtype (None: the param's)."""
     name: str
     kind: str
     shape: Optional[tuple[int, ...]]
+    dtype: Optional[torch.dtype] = None
+
+
+def _learn_layout(index: int, param: torch.Tensor, entry: dict, name: str) -> tuple[_Kept, ...]:
+    """The states of a trusted optimizer's param, read from what it keeps:
+    param-shaped tensors are element states, other tensors whole ones, 0-dim
+    tensors and numbers scalars (kept where they are)."""
+    kept = []
+    for key, value in entry.items():
+        where = f"SwapOptimizer: state '{key}' of param {index} ({name})"
+        if value is None or isinstance(value, numbers.Number):  # None: timm's SGDW without momentum
+            kept.append(_Kept(key, SCALAR, None))
+            continue
+        if not torch.is_tensor(value):
+            raise TypeError(f"{where} is a {type(value).__name__}; a trusted optimizer's states must be plain "
+                            "tensors, numbers or None. Keep this optimizer's state on the device")
+        if type(value) is not torch.Tensor or value.layout != torch.strided:
+            raise TypeError(f"{where} is a {type(value).__name__} with layout {value.layout}, not a plain strided "
+                            "tensor (a tensor subclass, such as torchao's 8-bit states, keeps its own storage that "
+                            "SwapOptimizer cannot stream). Use the optimizer's plain states, or keep its state on "
+                            "the device")
+        if value.dim() == 0:
+            kept.append(_Kept(key, SCALAR, None))
+        elif value.device != param.device:
+            raise TypeError(f"{where} is on {value.device}, its param on {param.device}; SwapOptimizer streams "
+                            "states kept on their param's device. Keep this optimizer's state as it is")
+        else:
+            kept.append(_Kept(key, ELEMENT if value.shape == param.shape else WHOLE, tuple(value.shape),
+                              value.dtype))
+    return tuple(kept)
+
+
+def _same_state(a: dict, b: dict, flatten: bool = False) -> bool:
+    """Whether two state entries hold the same values (flatten: compare
+    tensors element by element, whatever their shapes)."""
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if flatten and torch.is_tensor(x) and torch.is_tensor(y):
+            x, y = x.reshape(-1), y.reshape(-1)
+        if not _same_value(x, y):
+            return False
+    return True
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and a.dtype == b.dtype \
+            and torch.equal(a.cpu(), b.cpu())
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001  (values that cannot be compared are not the same)
+        return False
 
 
 class RuleSwapOptimizer(SwapOptimizer):
@@ -101,7 +158,10 @@ class RuleSwapOptimizer(SwapOptimizer):
         name = type(optimizer).__name__
         declaration = declaration_for(optimizer)
         if declaration is None:
-            raise TypeError(f"SwapOptimizer has no update rule for {name}")
+            refused = next((reason for cls, reason in REFUSED.items() if isinstance(optimizer, cls)), None)
+            if refused is not None or not self.config.trust_per_param_step:
+                _check_optimizer(optimizer)  # raises, saying why (and which setting vouches for an optimizer)
+            declaration = trusted_declaration(optimizer, self.config.trust_elementwise_step)
         _refuse_settings(self.config, name)
         if model is not None:
             raise ValueError("SwapOptimizer: model= is read only with overlap_forward=True (Adam/AdamW only for now); "
@@ -118,6 +178,8 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._overlap = None
         self._runtime = None
         self._rounding_seed = None
+        self._learned: dict = {}
+        self._probed: set = set()  # (group, dimensionality) whose contract was probed
         self.__dict__["_unscale_in_step"] = False
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
@@ -129,9 +191,19 @@ class RuleSwapOptimizer(SwapOptimizer):
         optimizer.load_state_dict = lambda state_dict: itself().load_state_dict(state_dict)
 
     # ---------------------------------------------------------------- layout
-    def _layouts(self) -> list[tuple]:
+    @property
+    def _learning(self) -> bool:
+        """Whether the states are learned per param (a trusted optimizer)."""
+        return self.declaration.states is None
+
+    def _layouts(self, learned: Optional[dict] = None) -> list[tuple]:
         """Per param in group order, the states its group's current settings
-        give it (_follow holds a param that has stepped to the ones it has)."""
+        give it (_follow holds a param that has stepped to the ones it has);
+        for a trusted optimizer, those learned from its state (`learned`, else
+        the current ones)."""
+        if self._learning:
+            learned = self._learned if learned is None else learned
+            return [learned.get(p, ()) for p in self._params()]
         layouts = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -143,7 +215,11 @@ class RuleSwapOptimizer(SwapOptimizer):
         """Builds the store for the current params and their layouts, filled
         from `previous` (param -> its state as torch.optim holds it)."""
         params = self._params()
-        layouts = self._layouts()
+        learned = None
+        if self._learning:
+            name = type(self.optimizer).__name__
+            learned = {p: _learn_layout(i, p, previous[p], name) for i, p in enumerate(params) if previous.get(p)}
+        layouts = self._layouts(learned)
         keys: list[str] = []
         for specs in layouts:
             keys += [s.name for s in specs if s.kind != SCALAR and s.name not in keys]
@@ -155,10 +231,12 @@ class RuleSwapOptimizer(SwapOptimizer):
                 spec = by_name.get(key)
                 if spec is None:
                     row.append((key, "absent", 0, p.dtype, []))
-                elif spec.kind == ELEMENT:
-                    row.append((key, "element", p.element_size(), p.dtype, list(p.shape)))
+                    continue
+                dtype = spec.dtype or p.dtype
+                if spec.kind == ELEMENT:
+                    row.append((key, "element", dtype.itemsize, dtype, list(p.shape)))
                 else:
-                    row.append((key, "whole", math.prod(spec.shape) * p.element_size(), p.dtype, list(spec.shape)))
+                    row.append((key, "whole", math.prod(spec.shape) * dtype.itemsize, dtype, list(spec.shape)))
             states.append(row)
             kept = any(s.kind != SCALAR for s in specs)
             swappable.append(kept and p.numel() >= self.config.min_numel and p.is_contiguous())
@@ -169,7 +247,8 @@ class RuleSwapOptimizer(SwapOptimizer):
             cpu_16_bit = p.device.type == "cpu" and p.element_size() < 4
             splittable.append(self.declaration.elementwise and all(s.kind != WHOLE for s in specs) and not cpu_16_bit)
         unknown = [k for k in (self.config.state_keys or ()) if k not in keys]
-        if unknown:
+        # A trusted optimizer's names are known once every param has stepped.
+        if unknown and (not self._learning or len(learned) == len(params)):
             raise ValueError(f"SwapOptimizerConfig.state_keys: {unknown} are not states of "
                              f"{type(self.optimizer).__name__} here; its states are {keys}")
         swap_keys = [self.config.state_keys is None or key in self.config.state_keys for key in keys]
@@ -197,6 +276,8 @@ class RuleSwapOptimizer(SwapOptimizer):
                 shown[i] = True
         runtime.order_writes()
         self._runtime = runtime
+        if learned is not None:
+            self._learned = learned
         self._keys = keys
         self._swap_keys = swap_keys
         self._layouts_now = layouts
@@ -307,19 +388,141 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._had_state = list(self._shown)
         self._scalars_before = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                                 for s in self._scalars]  # apart from the kept tensors, which the last piece writes
+        self._groups_after: dict[int, dict] = {}
+        # A trusted optimizer's params without state yet are updated whole, one
+        # at a time, to learn what they keep; the others go through the store.
+        first = [i for i, grad in enumerate(grads) if grad is not None and self._learning and not self._shown[i]]
         with _signals_after_the_step():  # raised once the step and its bookkeeping are done
             self._stepping = True
             try:
-                self._runtime.step(params, grads, [], None, None, deferred=False)
+                learned = self._learn_first_updates(params, grads, first) if first else {}
+                streamed = [None if i in first else grad for i, grad in enumerate(grads)]
+                self._runtime.step(params, streamed, [], None, None, deferred=False)
+                for g, after in self._groups_after.items():  # the same from every call: the group's new values
+                    self.param_groups[g].update(after)
             finally:
                 self._stepping = False
                 self._step_groups = None
+            if learned:
+                self._lay_out({**self._kept_state(), **learned})
             state = self.__dict__["_state"]
             for i, grad in enumerate(grads):
                 if grad is not None and self._layouts_now[i]:  # SGD without momentum keeps no state, as in torch
                     self._shown[i] = True
                     state[params[i]] = self._entry(i)  # a first step's scalars are new objects
         return loss
+
+    def _learn_first_updates(self, params: list[torch.Tensor], grads: list, first: list[int]) -> dict:
+        """A trusted optimizer's first update of each param in `first`, whole
+        and on its own, on the device: the states it makes tell the param's
+        layout. Returns param -> its new state (tensors moved to the host).
+        If a call breaks the contract, the params updated so far get their
+        values back before the error, so nothing changed."""
+        name = type(self.optimizer).__name__
+        backups, entries = [], {}
+        self._probe_contract(params, grads, first)
+        try:
+            for i in first:
+                param = params[i]
+                backups.append((param, param.detach().to("cpu", copy=True)))
+                piece = param.detach()
+                piece.grad = grads[i]
+                state = {piece: {}}
+                call_group = dict(self._step_groups[self._group_of[i]], params=[piece])
+                run_torch_update(self.optimizer, [call_group], state, strict=True)
+                self._note_groups_after(self._group_of[i], call_group)
+                entry = state[piece]
+                _learn_layout(i, param, entry, name)  # refuses what cannot be streamed
+                entries[param] = {key: value.to("cpu", copy=True) if torch.is_tensor(value) and value.dim() > 0
+                                  else value for key, value in entry.items()}
+        except BaseException:
+            for param, backup in backups:
+                param.detach().copy_(backup)
+            raise
+        return entries
+
+    def _probe_contract(self, params: list[torch.Tensor], grads: list, first: list[int]) -> None:
+        """What can be checked of the user's word before a trusted optimizer's
+        first update, on copies of the smallest new param of each group and
+        dimensionality, over two updates (a first one is often scale-free, as
+        Adam's is): that they are the same beside another param in the call
+        (no global norm, as LAMB's clipping; no estimate over the params, as
+        Prodigy's d) and, with trust_elementwise_step, the same when the param
+        is cut in two. A check, not a proof (docs/usage.md)."""
+        name = type(self.optimizer).__name__
+        smallest: dict[tuple, int] = {}
+        for i in first:
+            key = (self._group_of[i], params[i].dim())
+            if key not in self._probed and (key not in smallest or params[i].numel() < params[smallest[key]].numel()):
+                smallest[key] = i
+        for key, i in smallest.items():
+            value, grad = params[i].detach(), grads[i]
+            # A second grad that is no multiple of the first.
+            grads_by_step = [grad, grad.reshape(-1).roll(1).reshape(grad.shape) * 2]
+            alone, = self._probe_updates(key[0], [value], [[g] for g in grads_by_step])
+            layout = _learn_layout(i, params[i], alone[1], name)  # refuses what cannot be streamed
+            companion = value * 3 + 1
+            beside, _ = self._probe_updates(key[0], [value, companion], [[g, g * 1000 + 1] for g in grads_by_step])
+            if not (torch.equal(alone[0], beside[0]) and _same_state(alone[1], beside[1])):
+                raise RuntimeError(
+                    f"SwapOptimizer: {name}'s update of param {i} changes when another param is in the same call: "
+                    "its step combines params (a global norm, as LAMB's clipping, or an estimate over all "
+                    "params, as Prodigy's d), so it cannot run batch by batch, whatever trust_per_param_step "
+                    "says. Keep this optimizer's state on the device (or turn off what combines the params, such "
+                    "as a max_grad_norm of the optimizer's own)")
+            if self.declaration.elementwise and value.numel() >= 2 and value.is_contiguous() \
+                    and all(s.kind == ELEMENT for s in layout if s.kind != SCALAR):
+                half = value.numel() // 2
+                flat = value.reshape(-1)
+                try:
+                    pieces = self._probe_updates(key[0], [flat[:half], flat[half:]],
+                                                 [[g.reshape(-1)[:half], g.reshape(-1)[half:]] for g in grads_by_step])
+                    (first_value, first_state), (second_value, second_state) = pieces
+                    is_array = [k for k, v in second_state.items() if torch.is_tensor(v) and v.dim() > 0]
+                    joined = dict(second_state, **{k: torch.cat([first_state[k].reshape(-1), second_state[k].reshape(-1)])
+                                                  for k in is_array})
+                    cut_alike = torch.equal(torch.cat([first_value, second_value]), alone[0].reshape(-1)) \
+                        and _same_state({k: v for k, v in first_state.items() if k not in is_array},
+                                        {k: v for k, v in second_state.items() if k not in is_array}) \
+                        and _same_state(joined, alone[1], flatten=True)
+                    failure = ""
+                except Exception as error:  # noqa: BLE001  (a piece the update cannot take: the answer is no)
+                    cut_alike, failure = False, f" ({type(error).__name__}: {error})"
+                if not cut_alike:
+                    raise RuntimeError(
+                        f"SwapOptimizer: trust_elementwise_step=True, but {name}'s update of param {i} cut in two "
+                        f"differs from its update whole{failure}: it reads the whole param (a per-param norm, as "
+                        "LAMB's trust ratio, or a matrix operation, as Muon's). Drop trust_elementwise_step; its "
+                        "params then move whole")
+            self._probed.add(key)
+
+    def _probe_updates(self, g: int, values: list[torch.Tensor], grads_by_step: list[list[torch.Tensor]]) -> list:
+        """The trusted optimizer's updates of copies of `values`, params of one
+        call with group `g`'s settings and no state yet, one update per entry
+        of grads_by_step (their grads): each copy after them, and its state."""
+        pieces = [value.clone() for value in values]
+        state = {piece: {} for piece in pieces}
+        group = dict(self._step_groups[g], params=pieces)  # what one update writes, the next reads
+        for step_grads in grads_by_step:
+            for piece, grad in zip(pieces, step_grads):
+                piece.grad = grad.clone()
+            run_torch_update(self.optimizer, [group], state, strict=True)
+        return [(piece, state[piece]) for piece in pieces]
+
+    def _note_groups_after(self, g: int, call_group: dict) -> None:
+        """What a call wrote into its copy of param group `g`: every call must
+        write the same (a group step counter, as timm's Adan keeps); a value
+        that differs between calls was computed over the params of the call."""
+        after = {key: value for key, value in call_group.items() if key != "params"}
+        first = self._groups_after.setdefault(g, after)  # the first call's group: every other must end the same
+        for key in first.keys() | after.keys():
+            a, b = first.get(key, "(no value)"), after.get(key, "(no value)")
+            if a is not b and not _same_value(a, b):
+                raise RuntimeError(
+                    f"SwapOptimizer: {type(self.optimizer).__name__}'s step wrote param group {g}'s '{key}' as "
+                    f"{a!r} in one call and {b!r} in another: the value is computed over the params of the call "
+                    "(as Prodigy's d is), so the step combines params and cannot run batch by batch. This "
+                    "optimizer cannot be wrapped; keep its state on the device")
 
     def _sync_edits(self, params: list[torch.Tensor]) -> None:
         """Loads into the store what was written into `state` since the last
@@ -380,7 +583,9 @@ class RuleSwapOptimizer(SwapOptimizer):
         if not rows:
             return
         call_groups = [dict(self._step_groups[g], params=pieces) for g, pieces in sorted(groups.items())]
-        run_torch_update(self.optimizer, call_groups, state)
+        run_torch_update(self.optimizer, call_groups, state, strict=self._learning)
+        for g, call_group in zip(sorted(groups), call_groups):
+            self._note_groups_after(g, call_group)
         for index, last, piece, views in rows:
             entry = state[piece]
             for key, view in views.items():

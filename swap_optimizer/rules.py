@@ -47,7 +47,9 @@ class Declaration:
     """
 
     classes: tuple[type, ...]
-    states: Callable[[torch.Tensor, dict], list[StateSpec]]
+    # None: learned from the states each param has after its first update
+    # (an optimizer the user vouches for; see trusted_declaration).
+    states: Optional[Callable[[torch.Tensor, dict], list[StateSpec]]]
     elementwise: bool
     validate: Optional[Callable[[torch.optim.Optimizer], None]] = None
 
@@ -141,6 +143,25 @@ def declaration_for(optimizer: torch.optim.Optimizer) -> Optional[Declaration]:
     return next((d for d in DECLARATIONS if d.matches(optimizer)), None)
 
 
+def _validate_trusted(optimizer):
+    name = type(optimizer).__name__
+    # Schedule-free optimizers swap their params and states in train() and
+    # eval(), outside step(), where the states are in host memory.
+    touching = [method for method in ("train", "eval") if callable(getattr(type(optimizer), method, None))]
+    if touching:
+        raise TypeError(f"SwapOptimizer cannot wrap {name}: its {' and '.join(m + '()' for m in touching)} "
+                        "read or write its states outside step() (as schedule-free optimizers do), and "
+                        "between steps SwapOptimizer keeps them in host memory; keep this optimizer's state "
+                        "on the device")
+
+
+def trusted_declaration(optimizer: torch.optim.Optimizer, elementwise: bool) -> Declaration:
+    """An optimizer SwapOptimizer has no declaration for, wrapped on the
+    user's word (trust_per_param_step): its states are learned per param,
+    and its params are cut only on the second word (trust_elementwise_step)."""
+    return Declaration((type(optimizer),), None, elementwise, _validate_trusted)
+
+
 def _torch_step(optimizer: torch.optim.Optimizer):
     """The class's own step, without the per-instance and global step hooks
     that torch wraps it in (those run once per SwapOptimizer.step())."""
@@ -148,11 +169,21 @@ def _torch_step(optimizer: torch.optim.Optimizer):
     return step.__wrapped__ if getattr(step, "hooked", False) else step
 
 
-def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state: dict) -> None:
+def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state: dict,
+                     strict: bool = False) -> None:
     """torch's own step of `optimizer`'s class over `groups` (param groups
     holding the batch's params or pieces, with .grad set) and `state` (their
     staged states): on a shallow copy of the optimizer, so the wrapped one's
-    groups and state stay as they are."""
+    groups and state stay as they are. strict: an attribute the step sets on
+    the optimizer (lost with the copy) raises, naming it."""
     stand_in = object.__new__(type(optimizer))
     stand_in.__dict__.update(optimizer.__dict__, param_groups=groups, state=state)
     _torch_step(optimizer)(stand_in)
+    if strict:
+        written = sorted(key for key, value in stand_in.__dict__.items() if key not in ("param_groups", "state")
+                         and (key not in optimizer.__dict__ or optimizer.__dict__[key] is not value))
+        if written:
+            raise RuntimeError(f"SwapOptimizer: {type(optimizer).__name__}'s step wrote the optimizer's attribute(s) "
+                               f"{written}, outside its params' states and param groups; SwapOptimizer runs the "
+                               "step batch by batch and cannot keep such a value. This optimizer cannot be wrapped; "
+                               "keep its state on the device")

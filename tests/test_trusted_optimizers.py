@@ -1,0 +1,325 @@
+"""Optimizers SwapOptimizer has no declaration for (the user's own, or from a
+package): refused by default; with trust_per_param_step=True their states are
+learned at each param's first update and streamed, bitwise the plain
+optimizer's; what breaks the contract and can be seen is refused, and a
+refused first step changes nothing."""
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+import swap_optimizer as so
+from conftest import DEVICES
+from test_rules import bits, give_grads, same_bits
+
+SHAPES = [(256, 700), (70000,), (64, 300), (5,)]  # the first two are large enough to be cut into pieces
+
+
+def make_params(dtype=torch.float32, device="cpu"):
+    generator = torch.Generator().manual_seed(1)
+    return [nn.Parameter(torch.randn(*s, generator=generator).to(device, dtype)) for s in SHAPES]
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion written by hand: one param-shaped state, elementwise."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = state["exp_avg"].mul(beta1).add_(p.grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-group["lr"])
+                state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+class RowScaled(torch.optim.Optimizer):
+    """States of every sort a trusted optimizer may keep: an fp32 param-shaped
+    moment (whatever the param's dtype), a per-row whole state, a 0-dim step
+    tensor on the param's device and a Python number."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), device=p.device)
+                    state["updates"] = 0
+                    state["moment"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["row_scale"] = torch.ones(p.shape[0] if p.dim() > 1 else 1, 1, device=p.device)
+                state["step"] += 1
+                state["updates"] += 1
+                grad = p.grad.float().reshape(state["row_scale"].shape[0], -1)
+                state["row_scale"].mul_(0.9).add_(grad.abs().mean(dim=1, keepdim=True), alpha=0.1)
+                state["moment"].mul_(0.9).add_((grad / state["row_scale"]).reshape(p.shape), alpha=0.1)
+                p.add_(state["moment"].to(p.dtype), alpha=-group["lr"] / state["step"].item() ** 0.5)
+
+
+class GroupCounter(Lion):
+    """Lion that counts steps in its param group, as timm's Adan does."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+        super().step(closure)
+
+
+def run_pair(make, steps=6, device="cpu", dtype=torch.float32, **settings):
+    a, b = make_params(dtype, device), make_params(dtype, device)
+    plain, wrapped = make(a), make(b)
+    swapped = so.SwapOptimizer(wrapped, min_numel=0, trust_per_param_step=True, **settings)
+    for step in range(steps):
+        give_grads(step, a, b)
+        plain.step()
+        swapped.step()
+    for p, q in zip(a, b):
+        assert same_bits(p, q)
+    ours, theirs = swapped.state_dict(), plain.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]
+    for index, entry in theirs["state"].items():
+        assert ours["state"][index].keys() == entry.keys()
+        for key, value in entry.items():
+            mine = ours["state"][index][key]
+            assert same_bits(mine, value) if torch.is_tensor(value) else mine == value, (index, key)
+    return plain, swapped
+
+
+def test_refused_by_default_with_the_setting_named():
+    with pytest.raises(TypeError, match="got Lion.*pass trust_per_param_step=True"):
+        so.SwapOptimizer(Lion(make_params()))
+    with pytest.raises(ValueError, match="trust_elementwise_step=True is a second promise"):
+        so.SwapOptimizer(Lion(make_params()), trust_elementwise_step=True)
+    with pytest.raises(TypeError, match="cannot wrap LBFGS"):  # trusted or not
+        so.SwapOptimizer(torch.optim.LBFGS(make_params()), trust_per_param_step=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("elementwise", [False, True])
+def test_a_hand_written_lion_is_bitwise_the_plain_one(device, elementwise):
+    """Across swap_times {1, 2, 4, 16} x num_arenas {2, 3}; its params are cut
+    into pieces only with the second promise."""
+    for swap_times in (1, 2, 4, 16):
+        for num_arenas in (2, 3):
+            _, swapped = run_pair(Lion, device=device, swap_times=swap_times, num_arenas=num_arenas,
+                                  trust_elementwise_step=elementwise)
+            stats = swapped.memory_stats()
+            assert stats["swapped_state_keys"] == ["exp_avg"]
+            assert (stats["split_params"] >= 1) == (elementwise and swap_times > 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_learned_states_of_every_kind(device, dtype):
+    """fp32 moments of bf16 params, whole per-row states, 0-dim tensors and
+    numbers: bitwise, whole states never cut, scalars kept where torch keeps
+    them."""
+    _, swapped = run_pair(RowScaled, device=device, dtype=dtype, swap_times=4, trust_elementwise_step=True)
+    stats = swapped.memory_stats()
+    assert stats["split_params"] == 0  # every param keeps a whole state
+    assert stats["swapped_state_keys"] == ["moment", "row_scale"]
+    entry = swapped.state[swapped.param_groups[0]["params"][0]]
+    assert entry["moment"].dtype == torch.float32 and entry["moment"].device.type == "cpu"
+    assert entry["step"].device.type == device and entry["updates"] == 6
+
+
+def test_a_group_value_the_step_writes_the_same_from_every_call():
+    """timm's Adan keeps a step counter in the param group: every batch call
+    writes the same value, which the group then holds, as the plain one."""
+    plain, swapped = run_pair(GroupCounter, swap_times=4, trust_elementwise_step=True)
+    assert swapped.param_groups[0]["step"] == plain.param_groups[0]["step"] == 6
+
+
+class CallSize(Lion):
+    """Writes into its group how many params the call held: per-param updates,
+    but a group value that depends on the batch."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["call_size"] = len(group["params"])
+        super().step(closure)
+
+
+def test_a_group_value_that_differs_between_calls_raises_naming_it():
+    params = make_params()
+    swapped = so.SwapOptimizer(CallSize(params), trust_per_param_step=True, swap_times=2, min_numel=0)
+    give_grads(0, params)
+    swapped.step()  # first updates run one param per call: the same value each time
+    give_grads(1, params)
+    with pytest.raises(RuntimeError, match="wrote param group 0's 'call_size' as 1 in one call and 3 in another"):
+        swapped.step()
+    with pytest.raises(RuntimeError, match="partly updated; step\\(\\) refuses"):  # the torn-batch rule
+        swapped.step()
+
+
+class GlobalNorm(Lion):
+    """Scales every update by the grad norm over the call's params (as LAMB's
+    clipping or Prodigy's d): its step combines params."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            norm = torch.stack([p.grad.norm() for p in group["params"] if p.grad is not None]).norm()
+            group["norm"] = norm
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.div_(norm)
+        super().step(closure)
+
+
+class TrustRatio(Lion):
+    """Scales each param's update by its own norm (LAMB's trust ratio): per
+    param, but not elementwise."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(p.norm() / (p.grad.norm() + 1e-12))
+        super().step(closure)
+
+
+class WritesAttribute(Lion):
+    def step(self, closure=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        super().step(closure)
+
+
+class Subclassed(torch.Tensor):
+    pass
+
+
+class SubclassState(Lion):
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("codes", torch.zeros_like(p).as_subclass(Subclassed))
+
+
+class ScheduleFree(Lion):
+    def train(self):
+        pass
+
+    def eval(self):
+        pass
+
+
+@pytest.mark.parametrize("make, elementwise, error, message", [
+    (GlobalNorm, False, RuntimeError,
+     "update of param 2 changes when another param is in the same call: its step combines"),
+    (TrustRatio, True, RuntimeError, "trust_elementwise_step=True, but TrustRatio's update of param 2 cut in two"),
+    (WritesAttribute, False, RuntimeError, "wrote the optimizer's attribute\\(s\\) \\['calls'\\]"),
+    (SubclassState, False, TypeError, "is a Subclassed with layout torch.strided, not a plain strided tensor"),
+])
+def test_what_breaks_the_contract_is_refused_at_the_first_step_and_changes_nothing(make, elementwise, error, message):
+    params = make_params()
+    swapped = so.SwapOptimizer(make(params), trust_per_param_step=True, trust_elementwise_step=elementwise,
+                               swap_times=4, min_numel=0)
+    before = [p.detach().clone() for p in params]
+    give_grads(0, params)
+    with pytest.raises(error, match=message):
+        swapped.step()
+    assert all(same_bits(p, q) for p, q in zip(params, before))
+    assert not swapped.state and "norm" not in swapped.param_groups[0]
+
+
+def test_trust_ratio_without_the_elementwise_promise_runs_whole():
+    _, swapped = run_pair(TrustRatio, swap_times=4)
+    assert swapped.memory_stats()["split_params"] == 0
+
+
+def test_states_touched_outside_step_are_refused():
+    with pytest.raises(TypeError, match="cannot wrap ScheduleFree: its train\\(\\) and eval\\(\\) read or write"):
+        so.SwapOptimizer(ScheduleFree(make_params()), trust_per_param_step=True)
+
+
+def test_state_dict_round_trips_with_the_plain_optimizer_mid_run():
+    """Saved from the swapped one into a plain one and back: both go on
+    bitwise as a plain run that never left; a state loaded before the first
+    step is learned from the loaded entries."""
+    reference = make_params()
+    plain = Lion(reference)
+    params = make_params()
+    swapped = so.SwapOptimizer(Lion(params), trust_per_param_step=True, trust_elementwise_step=True,
+                               swap_times=4, min_numel=0)
+    for step in range(3):
+        give_grads(step, reference, params)
+        plain.step()
+        swapped.step()
+    other = make_params()
+    with torch.no_grad():
+        for p, q in zip(other, params):
+            p.copy_(q)
+    moved = Lion(other)
+    moved.load_state_dict(swapped.state_dict())
+    resumed_params = make_params()
+    with torch.no_grad():
+        for p, q in zip(resumed_params, params):
+            p.copy_(q)
+    resumed = so.SwapOptimizer(Lion(resumed_params), trust_per_param_step=True, swap_times=4, min_numel=0)
+    resumed.load_state_dict(moved.state_dict())
+    assert resumed.memory_stats()["swapped_state_keys"] == ["exp_avg"]
+    for step in range(3, 6):
+        give_grads(step, reference, other, resumed_params)
+        plain.step()
+        moved.step()
+        resumed.step()
+    for p, q, r in zip(reference, other, resumed_params):
+        assert same_bits(p, q) and same_bits(p, r)
+
+
+def test_step_hooks_run_once_per_step():
+    params = make_params()
+    swapped = so.SwapOptimizer(Lion(params), trust_per_param_step=True, swap_times=8, min_numel=0)
+    calls = []
+    swapped.register_step_pre_hook(lambda *args: calls.append("pre"))
+    handle = register_optimizer_step_post_hook(lambda *args: calls.append("global post"))
+    try:
+        for step in range(2):
+            give_grads(step, params)
+            swapped.step()
+    finally:
+        handle.remove()
+    assert calls == ["pre", "global post"] * 2
+
+
+def test_an_interrupt_during_a_learning_step_lets_it_finish():
+    """Ctrl-C while the first updates are learned: the step finishes, then
+    the signal's handler runs."""
+    import signal
+
+    params = make_params()
+
+    class Interrupting(Lion):
+        def step(self, closure=None):
+            signal.raise_signal(signal.SIGINT)
+            super().step(closure)
+
+    reference = make_params()
+    plain = Lion(reference)
+    swapped = so.SwapOptimizer(Interrupting(params), trust_per_param_step=True, swap_times=4, min_numel=0)
+    for step in range(2):
+        give_grads(step, reference, params)
+        plain.step()
+        with pytest.raises(KeyboardInterrupt):
+            swapped.step()
+    assert all(same_bits(p, q) for p, q in zip(reference, params))
+    assert bits(swapped.state_dict()["state"][0]["exp_avg"]).equal(bits(plain.state_dict()["state"][0]["exp_avg"]))
