@@ -19,8 +19,8 @@ from .config import SwapOptimizerConfig
 from .distributed import _is_dtensor
 from .optimizer import SwapOptimizer, _check_distinct, _check_optimizer, _check_params
 from .overlap import _HANDLED_SIGNALS
-from .rules import (ELEMENT, REFUSED, SCALAR, WHOLE, Declaration, declaration_for, run_torch_update,
-                    trusted_declaration)
+from .rules import (ELEMENT, REFUSED, SCALAR, WHOLE, Declaration, declaration_for, foreign_state_keys,
+                    run_torch_update, trusted_declaration)
 
 
 def _refuse_settings(config: SwapOptimizerConfig, name: str) -> None:
@@ -184,6 +184,12 @@ class RuleSwapOptimizer(SwapOptimizer):
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
+        foreign = foreign_state_keys(optimizer.state, {id(p) for p in all_params})
+        if foreign:
+            raise ValueError(f"SwapOptimizer: {name} keeps state under {foreign}, keys that are not its params (a "
+                             "step counter shared by all params, say); SwapOptimizer runs the step batch by batch "
+                             "and cannot keep such a value. This optimizer cannot be wrapped; keep its state on the "
+                             "device")
         existing = {p: dict(s) for p, s in optimizer.state.items() if s}
         self._lay_out(existing)
         itself = weakref.ref(self)
@@ -461,13 +467,16 @@ class RuleSwapOptimizer(SwapOptimizer):
             grads_by_step = [grad, grad.reshape(-1).roll(1).reshape(grad.shape) * 2]
             alone, = self._probe_updates(key[0], [value], [[g] for g in grads_by_step])
             layout = _learn_layout(i, params[i], alone[1], name)  # refuses what cannot be streamed
-            companion = value * 3 + 1
-            beside, _ = self._probe_updates(key[0], [value, companion], [[g, g * 1000 + 1] for g in grads_by_step])
+            # The companion comes first: an update that depends on what came
+            # before it in the call (a running norm, a value carried from one
+            # param to the next) shows too.
+            _, beside = self._probe_updates(key[0], [value * 3 + 1, value], [[g * 1000 + 1, g] for g in grads_by_step])
             if not (torch.equal(alone[0], beside[0]) and _same_state(alone[1], beside[1])):
                 raise RuntimeError(
                     f"SwapOptimizer: {name}'s update of param {i} changes when another param is in the same call: "
-                    "its step combines params (a global norm, as LAMB's clipping, or an estimate over all "
-                    "params, as Prodigy's d), so it cannot run batch by batch, whatever trust_per_param_step "
+                    "its step combines params (a global norm, as LAMB's clipping, an estimate over all params, "
+                    "as Prodigy's d, or a value carried from one param to the next), so it cannot run batch by "
+                    "batch, whatever trust_per_param_step "
                     "says. Keep this optimizer's state on the device (or turn off what combines the params, such "
                     "as a max_grad_norm of the optimizer's own)")
             if self.declaration.elementwise and value.numel() >= 2 and value.is_contiguous() \

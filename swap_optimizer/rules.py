@@ -169,6 +169,12 @@ def _torch_step(optimizer: torch.optim.Optimizer):
     return step.__wrapped__ if getattr(step, "hooked", False) else step
 
 
+def foreign_state_keys(state: dict, param_ids: set) -> list[str]:
+    """The keys of an optimizer's `state` that are not among its params."""
+    return sorted(f"a tensor of shape {tuple(key.shape)}" if torch.is_tensor(key) else repr(key)
+                  for key in state if not torch.is_tensor(key) or id(key) not in param_ids)
+
+
 def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state: dict,
                      strict: bool = False) -> None:
     """torch's own step of `optimizer`'s class over `groups` (param groups
@@ -180,6 +186,13 @@ def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state
     stand_in.__dict__.update(optimizer.__dict__, param_groups=groups, state=state)
     _torch_step(optimizer)(stand_in)
     if strict:
+        params = {id(p) for group in groups for p in group["params"]}
+        foreign = foreign_state_keys(state, params)
+        if foreign:
+            raise RuntimeError(f"SwapOptimizer: {type(optimizer).__name__}'s step keeps state under {foreign}, keys "
+                               "that are not params (a step counter shared by all params, say); SwapOptimizer runs "
+                               "the step batch by batch and cannot keep such a value. This optimizer cannot be "
+                               "wrapped; keep its state on the device")
         written = sorted(key for key, value in stand_in.__dict__.items() if key not in ("param_groups", "state")
                          and (key not in optimizer.__dict__ or optimizer.__dict__[key] is not value))
         if written:

@@ -195,6 +195,30 @@ class TrustRatio(Lion):
         super().step(closure)
 
 
+class CarriedScale(Lion):
+    """Scales each grad by a factor that changes from one param to the next
+    in its call (as pytorch_optimizer's ApolloDQN divides eps once per param)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            scale = 1.0
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+                    scale *= 0.5
+        super().step(closure)
+
+
+class SharedCounter(Lion):
+    """Keeps a counter for all params in its state, under a key that is not
+    a param (as pytorch_optimizer's MADGRAD does)."""
+
+    def step(self, closure=None):
+        self.state["k"] = self.state.get("k", 0) + 1
+        super().step(closure)
+
+
 class WritesAttribute(Lion):
     def step(self, closure=None):
         self.calls = getattr(self, "calls", 0) + 1
@@ -226,7 +250,9 @@ class ScheduleFree(Lion):
     (GlobalNorm, False, RuntimeError,
      "update of param 2 changes when another param is in the same call: its step combines"),
     (TrustRatio, True, RuntimeError, "trust_elementwise_step=True, but TrustRatio's update of param 2 cut in two"),
+    (CarriedScale, False, RuntimeError, "update of param 2 changes when another param is in the same call"),
     (WritesAttribute, False, RuntimeError, "wrote the optimizer's attribute\\(s\\) \\['calls'\\]"),
+    (SharedCounter, False, RuntimeError, "keeps state under \\[\"'k'\"\\], keys that are not params"),
     (SubclassState, False, TypeError, "is a Subclassed with layout torch.strided, not a plain strided tensor"),
 ])
 def test_what_breaks_the_contract_is_refused_at_the_first_step_and_changes_nothing(make, elementwise, error, message):
@@ -244,6 +270,20 @@ def test_what_breaks_the_contract_is_refused_at_the_first_step_and_changes_nothi
 def test_trust_ratio_without_the_elementwise_promise_runs_whole():
     _, swapped = run_pair(TrustRatio, swap_times=4)
     assert swapped.memory_stats()["split_params"] == 0
+
+
+class CounterFromTheStart(Lion):
+    """Keeps a counter for all params in its state from __init__ on (as
+    pytorch_optimizer's SPAM does)."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.state["total_step"] = 0
+
+
+def test_state_under_a_key_that_is_not_a_param_is_refused_at_wrap_time():
+    with pytest.raises(ValueError, match="CounterFromTheStart keeps state under \\[\"'total_step'\"\\], keys that"):
+        so.SwapOptimizer(CounterFromTheStart(make_params()), trust_per_param_step=True)
 
 
 def test_states_touched_outside_step_are_refused():
