@@ -1,5 +1,7 @@
 """SwapOptimizer: wraps torch.optim.Adam/AdamW and keeps their state in host
-memory, streamed through a few device staging arenas during step()."""
+memory, streamed through a few device staging arenas during step(). (Other
+optimizers: rule_optimizer.py with rules.py; Adam's state-dict conversions:
+state_dicts.py; DTensor helpers: distributed.py.)"""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ from typing import Any, Optional
 import torch
 
 from . import _C
-from .compact import FORMAT_KEY, MIN_QUANTIZED_NUMEL, MOMENTS, code_map, dequantize, quantize, state_format
+from .compact import FORMAT_KEY, MIN_QUANTIZED_NUMEL, MOMENTS, code_map, state_format
 from .config import SwapOptimizerConfig
 from .distributed import (_check_fsdp_8bit, _global_offset, _is_dtensor, _like_param, _local,
-                          _local_part, _local_scales, _shared_default_seed, _sharded_scales)
+                          _shared_default_seed, _sharded_scales)
 from .overlap import ForwardOverlap, capturing
 from .rules import DECLARATIONS, REFUSED, declaration_for
+from .state_dicts import checked_adam_state, write_adam_states
 
 
 _ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
@@ -134,23 +137,6 @@ def _check_distinct(params: list[torch.Tensor]) -> None:
                                  "update would overwrite the other; give each its own tensor, or list a tied weight "
                                  "once")
         open_spans.append((end, index))
-
-
-def _check_readable(value: torch.Tensor, where: str, key: str) -> None:
-    if value.is_meta or value.layout != torch.strided:
-        kind = "a meta tensor (no data)" if value.is_meta else f"{value.layout} (not dense)"
-        raise ValueError(f"{where}: '{key}' is {kind}; load a state dict of dense tensors with data")
-
-
-def _as_step_value(value: Any, where: str) -> float:
-    if isinstance(value, torch.Tensor):
-        _check_readable(value, where, "step")
-        if value.numel() != 1:
-            raise ValueError(f"{where}: 'step' must hold one number, got shape {tuple(value.shape)}")
-        return float(value.item())
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    raise ValueError(f"{where}: 'step' must be a number or a one-element tensor, got {type(value).__name__}")
 
 
 def _check_overlap_params(params: list[torch.Tensor]) -> None:
@@ -346,7 +332,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         group_of_param = self._group_of_param()
         group_amsgrad = [bool(group["amsgrad"]) for group in self.param_groups]
         index_of = {p: i for i, p in enumerate(params)}
-        updates = [(index_of[p], self._checked_state(p, entry, group_amsgrad[group_of_param[index_of[p]]],
+        updates = [(index_of[p], checked_adam_state(p, entry, group_amsgrad[group_of_param[index_of[p]]],
                                                       f"{source}, param {index_of[p]}"))
                    for p, entry in previous.items() if p in index_of and entry]
         local_params = [_local(p) for p in params]
@@ -386,7 +372,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                           "part of the optimizer state uses pageable memory, so its copies are slower",
                           RuntimeWarning, stacklevel=3)
         views = [runtime.state_views(i) for i in range(len(params))]
-        self._write_states(params, views, dict(updates))
+        write_adam_states(params, views, dict(updates))
         runtime.order_writes()
         self._views = views  # this rank's store views, param by param
         # Scales are per local shard, never shaped like the param: kept local.
@@ -428,14 +414,14 @@ class SwapOptimizer(torch.optim.Optimizer):
                 continue
             group_of_param = group_of_param or self._group_of_param()
             amsgrad = bool(self.param_groups[group_of_param[i]]["amsgrad"])
-            edits[i] = self._checked_state(p, entry, amsgrad, f"SwapOptimizer.state[param {i}]") if entry else {}
+            edits[i] = checked_adam_state(p, entry, amsgrad, f"SwapOptimizer.state[param {i}]") if entry else {}
         followed = [i for i, version in self._param_versions.items()
                     if _local(params[i])._version != version and i not in edits]
         if edits or followed:
             # The host store is written: the last step's copies out must have landed (on CUDA they may not).
             self._runtime.synchronize()
         if edits:
-            self._write_states(params, self._views, edits, only=edits.keys())
+            write_adam_states(params, self._views, edits, only=edits.keys())
             for i, values in edits.items():
                 self._shown[i] = bool(values)
                 if values:
@@ -451,113 +437,6 @@ class SwapOptimizer(torch.optim.Optimizer):
                 master.copy_(torch.where(master.to(local.dtype) == local, master, local.float()))
         if edits or followed:
             self._runtime.order_writes()
-
-    def _checked_state(self, param: torch.Tensor, entry: Any, amsgrad: bool, where: str) -> dict:
-        """Validates one param's saved state; returns {key: value} to write. A
-        moment may be saved as values (its plain name) or as 8-bit codes and
-        scales (`<name>_codes`, `<name>_absmax`); _write_states converts either
-        to this optimizer's form."""
-        if not isinstance(entry, dict):
-            raise ValueError(f"{where}: state must be a dict, got {type(entry).__name__}")
-        moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-        allowed = {"step", "master_param", "compensation"} | set(moments) | \
-            {f"{m}_{part}" for m in moments for part in ("codes", "absmax")}
-        unknown = sorted(set(entry) - allowed)
-        if unknown:
-            raise ValueError(f"{where}: unknown state key(s) {unknown}; Adam/AdamW with amsgrad={amsgrad} keep "
-                             f"{sorted(allowed)} (is this another optimizer's state dict?)")
-        missing = [k for k in ["step"] + moments if k not in entry and f"{k}_codes" not in entry]
-        if missing:
-            raise ValueError(f"{where}: state is missing {missing}; Adam/AdamW with amsgrad={amsgrad} need step, "
-                             f"{moments} (as values, or as <name>_codes and <name>_absmax)")
-        values = {"step": _as_step_value(entry["step"], where)}
-        for moment in moments:
-            if moment in entry and f"{moment}_codes" in entry:
-                raise ValueError(f"{where}: '{moment}' is saved both as values and as codes; keep one")
-            if (f"{moment}_codes" in entry) != (f"{moment}_absmax" in entry):
-                raise ValueError(f"{where}: has only one of '{moment}_codes' and '{moment}_absmax'; 8-bit moments "
-                                 "need both")
-            if f"{moment}_codes" in entry:
-                values[moment] = self._checked_codes(param, entry, moment, where)
-        for key in [m for m in moments if m in entry] + [k for k in ("master_param", "compensation") if k in entry]:
-            value = entry[key]
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-                raise ValueError(f"{where}: '{key}' must be a floating-point tensor, got "
-                                 f"{getattr(value, 'dtype', type(value).__name__)}")
-            _check_readable(_local(value), where, key)
-            if value.shape != param.shape:
-                raise ValueError(f"{where}: '{key}' has shape {tuple(value.shape)} but the param has shape "
-                                 f"{tuple(param.shape)}; the state dict belongs to another model")
-            values[key] = _local_part(value, param)  # here, so a failing redistribution changes nothing
-        return values
-
-    @staticmethod
-    def _checked_codes(param: torch.Tensor, entry: dict, moment: str, where: str) -> tuple:
-        """(codes, absmax) of an 8-bit moment, checked against the param."""
-        codes, absmax = entry.get(f"{moment}_codes"), entry.get(f"{moment}_absmax")
-        if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.shape != param.shape:
-            raise ValueError(f"{where}: '{moment}_codes' must be a uint8 tensor of the param's shape "
-                             f"{tuple(param.shape)}, got {getattr(codes, 'dtype', type(codes).__name__)} "
-                             f"{tuple(getattr(codes, 'shape', ()))}")
-        blocks = -(-_local(param).numel() // 256)
-        # A DTensor param's scales come as a state dict has them ([world, scales])
-        # or as `state` holds them (this rank's, 1-D).
-        sharded = _is_dtensor(param) and isinstance(absmax, torch.Tensor) and absmax.dim() == 2
-        if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.float32 or \
-                (not sharded and absmax.shape != (blocks,)):
-            raise ValueError(f"{where}: '{moment}_absmax' must be a float32 tensor of {blocks} scales (one per 256 "
-                             f"elements) beside '{moment}_codes', got {getattr(absmax, 'dtype', type(absmax).__name__)} "
-                             f"{tuple(getattr(absmax, 'shape', ()))}")
-        for key, value in ((f"{moment}_codes", codes), (f"{moment}_absmax", absmax)):
-            _check_readable(_local(value), where, key)
-        if sharded:
-            _check_fsdp_8bit(param, where)
-            absmax = _local_scales(absmax, param, blocks, where, f"{moment}_absmax")
-        return _local_part(codes, param), absmax
-
-    def _write_states(self, params: list[torch.Tensor], views: list[dict], values: dict[int, dict],
-                      only=None) -> None:
-        """Writes validated states into the stores (of the params in `only`, or
-        all): no step and zeros where a param has no saved state; each moment in
-        this optimizer's form (8-bit codes are copied as they are or decoded,
-        values copied or encoded); master copies from the params when not saved
-        or when a saved one no longer rounds to its param (a plain AdamW carries
-        master_param along without updating it); compensation zero unless saved."""
-        with torch.no_grad():
-            for i, (p, view) in enumerate(zip(params, views)):
-                if only is not None and i not in only:
-                    continue
-                saved = values.get(i, {})
-                view["step"].fill_(saved.get("step", 0.0))
-                for moment in MOMENTS:
-                    value = saved.get(moment)
-                    if f"{moment}_codes" in view:
-                        codes, absmax = view[f"{moment}_codes"], view[f"{moment}_absmax"]
-                        if value is None:
-                            codes.zero_()
-                            absmax.zero_()  # every code decodes to 0
-                            continue
-                        if not isinstance(value, tuple):
-                            value = quantize(value, moment)
-                        codes.copy_(value[0])
-                        absmax.copy_(value[1])
-                    elif moment in view:
-                        if value is None:
-                            view[moment].zero_()
-                        else:
-                            view[moment].copy_(dequantize(*value, moment) if isinstance(value, tuple) else value)
-                if "compensation" in view:
-                    value = saved.get("compensation")
-                    if value is None:
-                        view["compensation"].zero_()
-                    else:
-                        view["compensation"].copy_(value)
-                if "master_param" in view:
-                    value = saved.get("master_param")
-                    if value is None or value.dtype != torch.float32 or \
-                            not torch.equal(value.to(p.dtype), _local(p).to(value.device)):
-                        value = _local(p)
-                    view["master_param"].copy_(value)
 
     # ------------------------------------------------------------------ step
     # Dynamo would trace into the C++ runtime and set capturable=True on the
@@ -764,7 +643,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                                  "group of the state dict lists")
             i = index_of_id[saved_id]
             if entry:
-                values[i] = self._checked_state(params[i], entry, bool(groups[group_of_param[i]]["amsgrad"]),
+                values[i] = checked_adam_state(params[i], entry, bool(groups[group_of_param[i]]["amsgrad"]),
                                                 f"SwapOptimizer.load_state_dict: param {i}")
         # Everything is checked: write.
         self._runtime.synchronize()
@@ -772,7 +651,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._rounding_seed = saved_seed
             self._runtime.set_rounding_seed(saved_seed)
         groups[:] = new_groups
-        self._write_states(params, self._views, values)
+        write_adam_states(params, self._views, values)
         self._runtime.order_writes()
         self._runtime.clear_torn()  # every param's state is rewritten, the torn ones' included
         state = self.__dict__["_state"]
