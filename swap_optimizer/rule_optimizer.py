@@ -27,7 +27,6 @@ def _refuse_settings(config: SwapOptimizerConfig, name: str) -> None:
     adam_only = [field for field, off in (("state_dtype", config.state_dtype is None),
                                           ("master_weights", not config.master_weights),
                                           ("kahan_summation", not config.kahan_summation),
-                                          ("unscale_in_step", not config.unscale_in_step),
                                           ("staging_budget_bytes", config.staging_budget_bytes is None),
                                           ("overlap_forward", not config.overlap_forward)) if not off]
     if adam_only:
@@ -51,6 +50,19 @@ def _check_groups(optimizer: torch.optim.Optimizer, declaration: Declaration) ->
                              "param; use fused=False for that group, or make the param contiguous")
     if declaration.validate is not None:
         declaration.validate(optimizer)
+
+
+def _unscales_in_step(optimizer: torch.optim.Optimizer, declaration: Declaration, setting: Optional[bool]) -> bool:
+    """Whether GradScaler hands step() its scale and inf flag: only torch's
+    fused SGD and Adagrad take them, in every group. None follows the wrapped
+    optimizer (fused: yes), as torch's GradScaler does with the plain one."""
+    fused = declaration.takes_grad_scale and all(group.get("fused") for group in optimizer.param_groups)
+    if setting and not fused:
+        raise ValueError(f"SwapOptimizer: unscale_in_step=True, but {type(optimizer).__name__}'s update takes "
+                         "GradScaler's scale and inf flag only in torch's fused SGD and Adagrad, with fused=True in "
+                         "every param group; use fused=True there, or leave unscale_in_step at None (GradScaler "
+                         "then unscales through its own unscale_)")
+    return fused if setting is None else setting
 
 
 @contextlib.contextmanager
@@ -180,7 +192,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._rounding_seed = None
         self._learned: dict = {}
         self._probed: set = set()  # (group, dimensionality) whose contract was probed
-        self.__dict__["_unscale_in_step"] = False
+        self.__dict__["_unscale_in_step"] = _unscales_in_step(optimizer, declaration, self.config.unscale_in_step)
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
@@ -375,6 +387,11 @@ class RuleSwapOptimizer(SwapOptimizer):
             with torch.enable_grad():
                 loss = closure()
         _check_groups(self.optimizer, self.declaration)
+        amp = {name: value for name in ("grad_scale", "found_inf")
+               if (value := getattr(self, name, None)) is not None}
+        if amp:
+            _unscales_in_step(self.optimizer, self.declaration, True)  # every group still fused
+        self._grad_scale = amp
         self._follow()
         params = self._params()
         data_pointers = [p.data_ptr() for p in params]
@@ -592,7 +609,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         if not rows:
             return
         call_groups = [dict(self._step_groups[g], params=pieces) for g, pieces in sorted(groups.items())]
-        run_torch_update(self.optimizer, call_groups, state, strict=self._learning)
+        run_torch_update(self.optimizer, call_groups, state, strict=self._learning, grad_scale=self._grad_scale)
         for g, call_group in zip(sorted(groups), call_groups):
             self._note_groups_after(g, call_group)
         for index, last, piece, views in rows:

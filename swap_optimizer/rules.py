@@ -52,6 +52,9 @@ class Declaration:
     states: Optional[Callable[[torch.Tensor, dict], list[StateSpec]]]
     elementwise: bool
     validate: Optional[Callable[[torch.optim.Optimizer], None]] = None
+    # torch's fused path takes GradScaler's grad_scale and found_inf (fused
+    # SGD and Adagrad): unscale_in_step works when every group is fused.
+    takes_grad_scale: bool = False
 
     def matches(self, optimizer: torch.optim.Optimizer) -> bool:
         # The class itself, not a subclass: a subclass may change the step.
@@ -109,8 +112,9 @@ def _validate_muon(optimizer):
 
 
 DECLARATIONS: list[Declaration] = [
-    Declaration((torch.optim.SGD,), _sgd_states, elementwise=True),
-    Declaration((torch.optim.Adagrad,), lambda p, g: _scalars("step") + _elements("sum"), elementwise=True),
+    Declaration((torch.optim.SGD,), _sgd_states, elementwise=True, takes_grad_scale=True),
+    Declaration((torch.optim.Adagrad,), lambda p, g: _scalars("step") + _elements("sum"), elementwise=True,
+                takes_grad_scale=True),
     Declaration((torch.optim.RMSprop,), _rmsprop_states, elementwise=True),
     Declaration((torch.optim.Adadelta,), lambda p, g: _scalars("step") + _elements("square_avg", "acc_delta"),
                 elementwise=True),
@@ -176,14 +180,16 @@ def foreign_state_keys(state: dict, param_ids: set) -> list[str]:
 
 
 def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state: dict,
-                     strict: bool = False) -> None:
+                     strict: bool = False, grad_scale: Optional[dict] = None) -> None:
     """torch's own step of `optimizer`'s class over `groups` (param groups
     holding the batch's params or pieces, with .grad set) and `state` (their
     staged states): on a shallow copy of the optimizer, so the wrapped one's
-    groups and state stay as they are. strict: an attribute the step sets on
-    the optimizer (lost with the copy) raises, naming it."""
+    groups and state stay as they are. grad_scale: GradScaler's grad_scale
+    and found_inf, which torch's fused step reads from the optimizer. strict:
+    an attribute the step sets on the optimizer (lost with the copy) raises,
+    naming it."""
     stand_in = object.__new__(type(optimizer))
-    stand_in.__dict__.update(optimizer.__dict__, param_groups=groups, state=state)
+    stand_in.__dict__.update(optimizer.__dict__, param_groups=groups, state=state, **(grad_scale or {}))
     _torch_step(optimizer)(stand_in)
     if strict:
         params = {id(p) for group in groups for p in group["params"]}

@@ -191,6 +191,43 @@ def test_grad_scaler_unscales_through_its_own_path():
     assert_same_state(plain, swapped)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["SGD", "Adagrad"])
+def test_fused_takes_the_scale_and_inf_flag_in_step(name, device):
+    """fused=True SGD and Adagrad: GradScaler hands step() its scale and inf
+    flag (unscale_in_step follows fused, as for the plain optimizer), and
+    torch's fused kernel unscales and skips on the device, batch by batch:
+    bitwise the plain optimizer, an overflow step included."""
+    kwargs = dict(next(k for n, k in CASES if n == name), fused=True)
+    cls = getattr(torch.optim, name)
+    a, b = make_params(name, device=device), make_params(name, device=device)
+    plain = cls(a, **kwargs)
+    swapped = so.SwapOptimizer(cls(b, **kwargs), swap_times=4, min_numel=0)
+    assert swapped._step_supports_amp_scaling and plain._step_supports_amp_scaling
+    scalers = [torch.amp.GradScaler(device, init_scale=2.0 ** 8) for _ in range(2)]
+    for step in range(8):
+        give_grads(step, a, b)
+        if step == 3:  # an overflow: the kernel skips the update, the scale drops
+            a[0].grad[0, 0] = b[0].grad[0, 0] = float("inf")
+        for scaler, optimizer, params in zip(scalers, (plain, swapped), (a, b)):
+            scaler.scale(torch.ones((), device=device))
+            for p in params:
+                p.grad.mul_(scaler.get_scale())
+            scaler.step(optimizer)
+            scaler.update()
+    assert scalers[1].get_scale() == scalers[0].get_scale() < 2.0 ** 8
+    assert swapped.memory_stats()["split_params"] >= 1
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
+
+
+def test_unscale_in_step_needs_torchs_fused_path():
+    with pytest.raises(ValueError, match="takes GradScaler's scale and inf flag only in torch's fused SGD and Adagrad"):
+        so.SwapOptimizer(torch.optim.SGD(make_params("SGD"), lr=0.1, momentum=0.9), unscale_in_step=True)
+    with pytest.raises(ValueError, match="takes GradScaler's scale and inf flag only in torch's fused SGD and Adagrad"):
+        so.SwapOptimizer(torch.optim.RMSprop(make_params("RMSprop"), lr=0.1), unscale_in_step=True)
+
+
 def test_state_dict_round_trips_with_the_plain_optimizer():
     """Save from SwapOptimizer, load into the plain optimizer and go on; and
     back: both resumes are bitwise the uninterrupted plain run."""
