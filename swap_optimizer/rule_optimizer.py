@@ -16,7 +16,7 @@ import torch
 
 from . import _C
 from .config import SwapOptimizerConfig
-from .distributed import _is_dtensor
+from .distributed import _is_dtensor, _like_param, _local, _local_part
 from .optimizer import SwapOptimizer, _check_distinct, _check_optimizer, _check_params
 from .overlap import _HANDLED_SIGNALS
 from .rules import (ELEMENT, REFUSED, SCALAR, WHOLE, Declaration, declaration_for, foreign_state_keys,
@@ -50,6 +50,21 @@ def _check_groups(optimizer: torch.optim.Optimizer, declaration: Declaration) ->
                              "param; use fused=False for that group, or make the param contiguous")
     if declaration.validate is not None:
         declaration.validate(optimizer)
+
+
+def _check_dtensor_params(params: list, declaration: Declaration, name: str) -> None:
+    """DTensor params (FSDP2): each rank updates its local shard, which is
+    the whole update only for an elementwise rule."""
+    if not any(_is_dtensor(p) for p in params):
+        return
+    if declaration.states is None:
+        raise ValueError(f"SwapOptimizer: {name} (wrapped on trust_per_param_step) with DTensor params (FSDP2) is "
+                         "not supported yet; keep this optimizer's state on the device")
+    if not declaration.elementwise:
+        raise ValueError(f"SwapOptimizer: {name} with DTensor params (FSDP2): SwapOptimizer updates each rank's "
+                         f"local shard, but {name}'s update needs the whole param (torch's own {name} gathers it "
+                         "through DTensor's collectives). Keep this optimizer's state on the device, or use an "
+                         "elementwise optimizer (AdamW, SGD, ...) for these params")
 
 
 def _unscales_in_step(optimizer: torch.optim.Optimizer, declaration: Declaration, setting: Optional[bool]) -> bool:
@@ -182,9 +197,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         all_params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device = _check_params(all_params, None)
         _check_distinct(all_params)
-        if any(_is_dtensor(p) for p in all_params):
-            raise ValueError(f"SwapOptimizer: {name} with DTensor params (FSDP2) is not supported yet; wrap "
-                             "Adam/AdamW, or keep this optimizer's state on the device")
+        _check_dtensor_params(all_params, declaration, name)
         self.declaration: Declaration = declaration
         self.optimizer = optimizer
         self._overlap = None
@@ -241,8 +254,9 @@ class RuleSwapOptimizer(SwapOptimizer):
         keys: list[str] = []
         for specs in layouts:
             keys += [s.name for s in specs if s.kind != SCALAR and s.name not in keys]
+        locals_ = [_local(p) for p in params]  # a DTensor's shard on this rank: what the store holds
         states, swappable, splittable = [], [], []
-        for p, specs in zip(params, layouts):
+        for p, specs in zip(locals_, layouts):
             by_name = {s.name: s for s in specs}
             row = []
             for key in keys:
@@ -271,7 +285,7 @@ class RuleSwapOptimizer(SwapOptimizer):
                              f"{type(self.optimizer).__name__} here; its states are {keys}")
         swap_keys = [self.config.state_keys is None or key in self.config.state_keys for key in keys]
         itself = weakref.ref(self)  # the runtime holds the rule; the rule must not keep this optimizer alive
-        runtime = _C.SwapRuntime(params, states, swappable, splittable,
+        runtime = _C.SwapRuntime(locals_, states, swappable, splittable,
                                  lambda *args: itself()._update_batch(*args),
                                  swap_times=self.config.swap_times, num_arenas=self.config.num_arenas,
                                  pin_memory=self.config.pin_memory, keep_arenas=self.config.keep_arenas,
@@ -290,7 +304,7 @@ class RuleSwapOptimizer(SwapOptimizer):
                         value = entry[spec.name]
                         scalars[i][spec.name] = value.clone() if torch.is_tensor(value) else value
                     else:
-                        views[i][spec.name].copy_(entry[spec.name])
+                        views[i][spec.name].copy_(_local_part(entry[spec.name], p))
                 shown[i] = True
         runtime.order_writes()
         self._runtime = runtime
@@ -300,12 +314,15 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._swap_keys = swap_keys
         self._layouts_now = layouts
         self._views = views
+        # What `state` shows: DTensors over the store's views for DTensor params
+        # (made once: _sync_edits tells edits by identity).
+        self._shown_views = [{key: _like_param(view, p) for key, view in row.items()} for row, p in zip(views, params)]
         self._scalars = scalars
         self._shown = shown
         self._plan = runtime.batch_plan()
         self._param_ids = [id(p) for p in params]
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
-        self._data_pointers = [p.data_ptr() for p in params]
+        self._data_pointers = [_local(p).data_ptr() for p in params]
         self._refresh_state(params)
 
     def _check_entry(self, index: int, param: torch.Tensor, specs, entry: dict) -> None:
@@ -339,7 +356,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         entry = {}
         for spec in self._layouts_now[index]:
             entry[spec.name] = self._scalars[index][spec.name] if spec.kind == SCALAR else \
-                self._views[index][spec.name]
+                self._shown_views[index][spec.name]
         return entry
 
     def _follow(self) -> None:
@@ -394,11 +411,11 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._grad_scale = amp
         self._follow()
         params = self._params()
-        data_pointers = [p.data_ptr() for p in params]
+        data_pointers = [_local(p).data_ptr() for p in params]
         if data_pointers != self._data_pointers:  # .data replaced since the last step
             _check_distinct(params)
             self._data_pointers = data_pointers
-        grads = [p.grad for p in params]
+        grads = [None if p.grad is None else _local(p.grad) for p in params]  # a DTensor's: this rank's shard
         for i, grad in enumerate(grads):
             if grad is not None and grad.is_sparse:
                 raise RuntimeError(f"SwapOptimizer: param {i} has a sparse gradient; "
@@ -420,7 +437,7 @@ class RuleSwapOptimizer(SwapOptimizer):
             try:
                 learned = self._learn_first_updates(params, grads, first) if first else {}
                 streamed = [None if i in first else grad for i, grad in enumerate(grads)]
-                self._runtime.step(params, streamed, [], None, None, deferred=False)
+                self._runtime.step([_local(p) for p in params], streamed, [], None, None, deferred=False)
                 for g, after in self._groups_after.items():  # the same from every call: the group's new values
                     self.param_groups[g].update(after)
             finally:
@@ -673,6 +690,7 @@ class RuleSwapOptimizer(SwapOptimizer):
             _check_groups(self.optimizer, self.declaration)
             _check_params(self._params(), self._device)
             _check_distinct(self._params())
+            _check_dtensor_params(self._params(), self.declaration, type(self.optimizer).__name__)
             self._lay_out(previous)
         except BaseException:
             self.param_groups.pop()

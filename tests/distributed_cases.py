@@ -251,6 +251,51 @@ def case_fsdp2_8bit(rank, device, work_dir):
     assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir, state_dtype=torch.uint8)
 
 
+def case_fsdp2_other_optimizers(rank, device, work_dir):
+    """SGD (foreach, momentum) and NAdam (scalars: step, mu_product) on FSDP2
+    shards cut across batches: bitwise the plain optimizer on the same DTensors;
+    `state` holds DTensors over the store; a DCP checkpoint loaded into another
+    swap_times resumes bitwise. Muon and Adafactor (whole-param updates) are
+    refused with DTensor params."""
+    for name, make in (("SGD", lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1, foreach=True)),
+                       ("NAdam", lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=0.01))):
+        model, reference = shard(build_wide(device)), shard(build_wide(device))
+        ours = SwapOptimizer(make(model.parameters()), swap_times=8, min_numel=64)
+        plain = make(reference.parameters())
+        assert ours.memory_stats()["split_params"] >= 1, name
+        train(model, ours, 4, 0, device, rank)
+        train(reference, plain, 4, 0, device, rank)
+        assert_models_close(model, reference, rtol=0, atol=0)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            for key, value in plain.state[q].items():
+                mine = ours.state[p][key]
+                if isinstance(value, DTensor):
+                    assert isinstance(mine, DTensor) and mine.placements == p.placements, (name, key)
+                    assert torch.equal(mine.to_local().to(device), value.to_local()), (name, key)
+                else:
+                    assert torch.equal(mine, value), (name, key)
+        path = os.path.join(work_dir, name)
+        model_state, optim_state = get_state_dict(model, ours)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        resumed = shard(build_wide(device))
+        resumed_optimizer = SwapOptimizer(make(resumed.parameters()), swap_times=3, min_numel=64)
+        model_state, optim_state = get_state_dict(resumed, resumed_optimizer)
+        loaded = {"model": model_state, "optim": optim_state}
+        dcp.load(loaded, checkpoint_id=path)
+        set_state_dict(resumed, resumed_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        train(model, ours, 3, 4, device, rank)
+        train(resumed, resumed_optimizer, 3, 4, device, rank)
+        assert_models_close(resumed, model, rtol=0, atol=0)
+    sharded = shard(build(device))
+    matrices = [p for p in sharded.parameters() if p.dim() == 2]
+    for optimizer in (torch.optim.Muon(matrices, lr=0.02), torch.optim.Adafactor(sharded.parameters(), lr=0.01)):
+        with pytest.raises(ValueError, match="updates each rank's local shard, but"):
+            SwapOptimizer(optimizer)
+    trusted = type("OwnSGD", (torch.optim.SGD,), {"step": lambda self, closure=None: None})
+    with pytest.raises(ValueError, match="wrapped on trust_per_param_step\\) with DTensor params"):
+        SwapOptimizer(trusted(sharded.parameters(), lr=0.1), trust_per_param_step=True)
+
+
 def case_ddp(rank, device, work_dir):
     model = DistributedDataParallel(build(device))
     reference = DistributedDataParallel(build(device))
@@ -346,7 +391,8 @@ def case_ddp_overlap_layer_drop(rank, device, work_dir):
 
 CASES = {"ddp_overlap": case_ddp_overlap, "ddp_overlap_layer_drop": case_ddp_overlap_layer_drop, "fsdp2": case_fsdp2, "fsdp2_checkpoint": case_fsdp2_checkpoint,
          "fsdp2_mixed_precision": case_fsdp2_mixed_precision, "fsdp2_split": case_fsdp2_split,
-         "fsdp2_bf16_moments": case_fsdp2_bf16_moments, "fsdp2_8bit": case_fsdp2_8bit, "ddp": case_ddp}
+         "fsdp2_bf16_moments": case_fsdp2_bf16_moments, "fsdp2_8bit": case_fsdp2_8bit, "fsdp2_other_optimizers": case_fsdp2_other_optimizers,
+         "ddp": case_ddp}
 
 
 def run_rank(rank, case, work_dir, backend, port):
