@@ -19,8 +19,8 @@ from .config import SwapOptimizerConfig
 from .distributed import _is_dtensor, _like_param, _local, _local_part
 from .optimizer import SwapOptimizer, _check_distinct, _check_optimizer, _check_params
 from .overlap import _HANDLED_SIGNALS
-from .rules import (ELEMENT, REFUSED, SCALAR, WHOLE, Declaration, declaration_for, foreign_state_keys,
-                    run_torch_update, trusted_declaration)
+from .rules import (ELEMENT, REFUSED, SCALAR, WHOLE, Declaration, declaration_for, estimated_temporaries,
+                    foreign_state_keys, run_torch_update, trusted_declaration)
 
 
 def _refuse_settings(config: SwapOptimizerConfig, name: str) -> None:
@@ -701,8 +701,30 @@ class RuleSwapOptimizer(SwapOptimizer):
     def memory_stats(self) -> dict[str, Any]:
         """As SwapOptimizer's, and the state keys that go to host memory;
         host_state_bytes 0 means nothing is swapped (an optimizer that keeps no
-        state for its params, such as SGD without momentum)."""
+        state for its params, such as SGD without momentum). Also
+        update_temporary_bytes: an estimate of what torch's update allocates
+        on the device beyond the staged states, for the largest batch."""
         itself = self._itself
         stats = itself._runtime.memory_stats()
         stats["swapped_state_keys"] = [k for k, swapped in zip(itself._keys, itself._swap_keys) if swapped]
+        stats["update_temporary_bytes"] = itself._update_temporaries()
         return stats
+
+    def _update_temporaries(self) -> int:
+        """An estimate of the device memory torch's update allocates beyond the
+        staged states, for the largest batch: per call (one per group, run one
+        after another) foreach intermediates, Newton-Schulz products, ...
+        (rules.Declaration.temporaries). It comes on top of staging_bytes."""
+        params = self._params()
+        group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+        largest = 0
+        for batch in self._plan:
+            rows_by_group: dict[int, list] = {}
+            for index, offset, count in batch["pieces"]:
+                local = _local(params[index])
+                shape = tuple(local.shape) if count == local.numel() else (count,)
+                rows_by_group.setdefault(group_of[index], []).append((shape, local.element_size()))
+            for g, rows in rows_by_group.items():
+                largest = max(largest, estimated_temporaries(self.declaration, rows, self.param_groups[g],
+                                                             _local(params[0]).device))
+        return largest

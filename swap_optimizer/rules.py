@@ -12,6 +12,7 @@ here, so the results are the wrapped optimizer's, bit for bit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -55,10 +56,45 @@ class Declaration:
     # torch's fused path takes GradScaler's grad_scale and found_inf (fused
     # SGD and Adagrad): unscale_in_step works when every group is fused.
     takes_grad_scale: bool = False
+    # An estimate of the device bytes torch's update allocates beyond the
+    # staged states for one call: (rows: (shape, element bytes) of the params
+    # or pieces, the call's group, whether it runs foreach) -> bytes.
+    temporaries: Optional[Callable[[list, dict, bool], int]] = None
 
     def matches(self, optimizer: torch.optim.Optimizer) -> bool:
         # The class itself, not a subclass: a subclass may change the step.
         return type(optimizer) in self.classes
+
+
+def _elementwise_temporaries(rows, group, foreach):
+    """torch's foreach path makes about two batch-sized lists of
+    intermediates (weight decay, nesterov, denominators), its for-loop about
+    two of one param at a time; its fused kernels none."""
+    if group.get("fused"):
+        return 0
+    sizes = [math.prod(shape) * element for shape, element in rows]
+    return 2 * (sum(sizes) if foreach else max(sizes, default=0))
+
+
+def _muon_temporaries(rows, group, foreach):
+    """Newton-Schulz in bf16 on an (m, n) matrix, m <= n: its iterate, the
+    m x m products and the next iterate, about 6mn + 4m^2 bytes; plus the
+    momentum blend, one param's worth; one matrix at a time."""
+    return max((6 * min(shape) * max(shape) + 4 * min(shape) ** 2 + math.prod(shape) * element
+                for shape, element in rows), default=0)
+
+
+def _adafactor_temporaries(rows, group, foreach):
+    """The for-loop: the squared grad, the update and its norm's operand, about
+    three of one param at a time."""
+    return 3 * max((math.prod(shape) * element for shape, element in rows), default=0)
+
+
+def estimated_temporaries(declaration: "Declaration", rows: list, group: dict, device: torch.device) -> int:
+    foreach = group.get("foreach")
+    if foreach is None:  # torch's default: foreach on CUDA, the for-loop on the CPU
+        foreach = device.type == "cuda"
+    return (declaration.temporaries or _elementwise_temporaries)(rows, group, bool(foreach))
 
 
 def _elements(*names: str) -> list[StateSpec]:
@@ -128,10 +164,11 @@ DECLARATIONS: list[Declaration] = [
     Declaration((torch.optim.Rprop,), lambda p, g: _scalars("step") + _elements("prev", "step_size"),
                 elementwise=True),
     # Adafactor reads param.norm(): never cut, even 1-D.
-    Declaration((torch.optim.Adafactor,), _adafactor_states, elementwise=False, validate=_validate_adafactor),
+    Declaration((torch.optim.Adafactor,), _adafactor_states, elementwise=False, validate=_validate_adafactor,
+                temporaries=_adafactor_temporaries),
     # Muon's Newton-Schulz iteration needs the whole matrix: never cut.
     Declaration((torch.optim.Muon,), lambda p, g: _elements("momentum_buffer"), elementwise=False,
-                validate=_validate_muon),
+                validate=_validate_muon, temporaries=_muon_temporaries),
 ]
 
 # Refused outright, with the reason.

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import swap_optimizer as so
-from conftest import DEVICES
+from conftest import DEVICES, requires_cuda
 
 # (class name, hyper-parameters): each keeps per-param state, and each runs
 # for-loop and foreach (and fused where torch has it) below.
@@ -226,6 +226,47 @@ def test_unscale_in_step_needs_torchs_fused_path():
         so.SwapOptimizer(torch.optim.SGD(make_params("SGD"), lr=0.1, momentum=0.9), unscale_in_step=True)
     with pytest.raises(ValueError, match="takes GradScaler's scale and inf flag only in torch's fused SGD and Adagrad"):
         so.SwapOptimizer(torch.optim.RMSprop(make_params("RMSprop"), lr=0.1), unscale_in_step=True)
+
+
+def test_memory_stats_estimate_torchs_temporaries():
+    """update_temporary_bytes: foreach about two batches of param bytes, the
+    for-loop two of the largest row, fused none, Muon's Newton-Schulz
+    6mn + 4m^2 plus one param (m <= n)."""
+    def temporaries(name, **kwargs):
+        swapped = so.SwapOptimizer(getattr(torch.optim, name)(make_params(name), lr=0.01, **kwargs), swap_times=4,
+                                   min_numel=0)
+        stats = swapped.memory_stats()
+        rows = [[count * 4 for _, _, count in batch["pieces"]] for batch in swapped._batch_plan()]
+        return stats["update_temporary_bytes"], rows
+
+    foreach, rows = temporaries("SGD", momentum=0.9, foreach=True)
+    assert foreach == 2 * max(sum(r) for r in rows)
+    for_loop, rows = temporaries("SGD", momentum=0.9, foreach=False)
+    assert for_loop == 2 * max(max(r) for r in rows) <= foreach
+    assert temporaries("SGD", momentum=0.9, fused=True)[0] == 0
+    muon, _ = temporaries("Muon")
+    assert muon == 6 * 256 * 700 + 4 * 256 ** 2 + 256 * 700 * 4
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,kwargs", [("SGD", dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
+                                         ("NAdam", dict(weight_decay=0.01)), ("Adafactor", dict()), ("Muon", dict())])
+def test_device_peak_stays_within_staging_and_the_temporaries_estimate_on_cuda(name, kwargs):
+    """Measured: the step's device peak above params and grads is at most the
+    staging bytes plus update_temporary_bytes (plus 1 MiB for small
+    allocations: scalars, the allocator's rounding)."""
+    params = make_params(name, device="cuda")
+    swapped = so.SwapOptimizer(getattr(torch.optim, name)(params, lr=0.01, **kwargs), swap_times=4, min_numel=0)
+    for step in range(3):
+        give_grads(step, params)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+        swapped.step()
+        torch.cuda.synchronize()
+        stats = swapped.memory_stats()
+        assert torch.cuda.max_memory_allocated() - baseline <= \
+            stats["peak_staging_bytes"] + stats["update_temporary_bytes"] + 2 ** 20, step
 
 
 def test_state_dict_round_trips_with_the_plain_optimizer():
