@@ -172,22 +172,27 @@ def test_overlap_joins_the_training_step_comparison(tmp_path, capsys):
     assert "loop vs resident" in out and "| swap s4 a3 overlap |" in out
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adafactor"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adafactor", "muon"])
 def test_another_optimizer_runs_the_main_job(tmp_path, capsys, optimizer):
     """--optimizer: the resident mode is the plain optimizer, the swap modes
-    stream its own states (SGD's momentum: 4 bytes per param each way in fp32;
-    Adafactor's factored variances: far fewer)."""
+    stream its own states (SGD's and Muon's momentum: 4 bytes per param each
+    way in fp32; Adafactor's factored variances: far fewer). Muon steps the
+    blocks' matrices beside a resident AdamW for the rest."""
     report, _ = run(tmp_path, "--optimizer", optimizer, "--swap-times", "2", "--num-arenas", "2")
     assert report["settings"]["optimizer"] == optimizer
     rows = {row["mode"]: row for row in report["modes"]}
     assert set(rows) == {"resident", "swap s2 a2"}
     swap = rows["swap s2 a2"]
     assert swap["h2d_bytes"] > 0 and swap["batches"] >= 1
-    if optimizer == "sgd":
-        assert swap["bytes_per_param_each_way"] == pytest.approx(4.0, rel=0.01)
-    else:
+    if optimizer == "adafactor":
         assert swap["bytes_per_param_each_way"] < 1.0
-    assert f"{'SGD' if optimizer == 'sgd' else 'Adafactor'} on micro GPT" in capsys.readouterr().out
+    else:
+        assert swap["bytes_per_param_each_way"] == pytest.approx(4.0, rel=0.01)
+    if optimizer == "muon":  # the resident AdamW's moments (8 bytes per param) are counted in both modes
+        assert rows["resident"]["peak_step_bytes"] == swap["peak_step_bytes"] - swap["peak_staging_bytes"] + \
+            swap["h2d_bytes"]
+    name = {"sgd": "SGD", "adafactor": "Adafactor", "muon": "Muon (+ resident AdamW for the rest)"}[optimizer]
+    assert f"{name} on micro GPT" in capsys.readouterr().out
 
 
 def test_adamw_only_bench_options_are_argument_errors(capsys):

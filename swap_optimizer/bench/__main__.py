@@ -187,7 +187,9 @@ def main(argv=None) -> int:
     modes = make_modes(device, dtype, args.swap_times, args.num_arenas, args.state_modes, args.overlap,
                        args.optimizer)
     timeline_mode = next((m for m in modes if m.overlap), None) if args.timeline else None
-    print(f"swap_optimizer benchmark: {OPTIMIZERS[args.optimizer][0].__name__} on "
+    named = OPTIMIZERS[args.optimizer][0].__name__ + (" (+ resident AdamW for the rest)" if args.optimizer == "muon"
+                                                      else "")
+    print(f"swap_optimizer benchmark: {named} on "
           f"{preset} GPT ({config.param_count() / 1e6:,.1f}M params, {args.dtype}), "
           f"batch {args.batch_size} x {config.seq_len} tokens on {device}; {len(modes)} modes, "
           f"median of {args.repeats} steps after {warmup} warm-up", flush=True)

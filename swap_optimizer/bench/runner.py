@@ -49,6 +49,9 @@ OPTIMIZERS = {
     "asgd": (torch.optim.ASGD, dict(lr=LR)),
     "rprop": (torch.optim.Rprop, dict(lr=LR)),
     "adafactor": (torch.optim.Adafactor, dict(lr=LR)),
+    # Muon steps the blocks' weight matrices; a plain AdamW, resident in every
+    # mode, steps the embeddings, norms and biases (MuonWithAdamW).
+    "muon": (torch.optim.Muon, dict(lr=LR)),
 }
 
 # How a swap mode stores its state: SwapOptimizer fields ("default": as torch).
@@ -161,8 +164,51 @@ class Timer:
         return lambda: (end.synchronize(), begin.elapsed_time(end) / 1e3)[1]
 
 
+class MuonWithAdamW:
+    """Muon's usual recipe: Muon (plain, or a SwapOptimizer) for the blocks'
+    weight matrices beside a resident fused AdamW for the rest; stepped,
+    zeroed and measured as one optimizer (the swap modes' stats are Muon's,
+    with AdamW's state counted as resident)."""
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer):
+        self.muon, self.adamw = muon, adamw
+
+    @property
+    def state(self) -> dict:
+        return {**self.muon.state, **self.adamw.state}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none=set_to_none)
+        self.adamw.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+    def wait(self) -> None:
+        if isinstance(self.muon, SwapOptimizer):
+            self.muon.wait()
+
+    def memory_stats(self) -> dict:
+        stats = dict(self.muon.memory_stats())
+        stats["resident_state_bytes"] += resident_state_bytes(self.adamw)
+        return stats
+
+
+def _muon_and_adamw(mode: Mode, model: GPT) -> MuonWithAdamW:
+    matrices = [p for name, p in model.named_parameters() if p.dim() == 2 and not name.endswith("embedding.weight")]
+    taken = {id(p) for p in matrices}
+    adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in taken], lr=LR, fused=True)
+    muon = torch.optim.Muon(matrices, lr=LR)
+    if mode.kind == "swap":
+        muon = SwapOptimizer(muon, swap_times=mode.swap_times, num_arenas=mode.num_arenas)
+    return MuonWithAdamW(muon, adamw)
+
+
 def build_optimizer(mode: Mode, model: GPT):
     params = model.parameters()
+    if mode.optimizer == "muon" and mode.kind in ("resident", "swap"):
+        return _muon_and_adamw(mode, model)
     cls, hyper = OPTIMIZERS[mode.optimizer]
     if mode.kind == "resident":
         return cls(params, **hyper, **(dict(fused=True) if mode.optimizer == "adamw" else {}))
@@ -201,7 +247,7 @@ def time_training_loop(model: GPT, optimizer, tokens: torch.Tensor, timer: "Time
             optimizer.zero_grad(set_to_none=True)
             model.loss(tokens).backward()
             optimizer.step()
-        if isinstance(optimizer, SwapOptimizer):
+        if isinstance(optimizer, (SwapOptimizer, MuonWithAdamW)):
             optimizer.wait()  # the last step's end (CUDA: a stream wait, inside the timed region)
     seconds = timer(loop)() / iterations  # reading the timer synchronises
     return seconds, torch.cuda.max_memory_allocated(tokens.device) if cuda else None
