@@ -5,6 +5,7 @@ torch's own step of the wrapped class (swap_optimizer.rules)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import numbers
 import signal
@@ -120,10 +121,13 @@ class _Kept(NamedTuple):
     dtype: Optional[torch.dtype] = None
 
 
-def _learn_layout(index: int, param: torch.Tensor, entry: dict, name: str) -> tuple[_Kept, ...]:
+def _learn_layout(index: int, param: torch.Tensor, entry: dict, name: str,
+                  check_device: bool = False) -> tuple[_Kept, ...]:
     """The states of a trusted optimizer's param, read from what it keeps:
     param-shaped tensors are element states, other tensors whole ones, 0-dim
-    tensors and numbers scalars (kept where they are)."""
+    tensors and numbers scalars (kept where they are). check_device: the
+    entry comes from the optimizer itself (not from the host store), so its
+    tensors must be on the param's device."""
     kept = []
     for key, value in entry.items():
         where = f"SwapOptimizer: state '{key}' of param {index} ({name})"
@@ -140,7 +144,7 @@ def _learn_layout(index: int, param: torch.Tensor, entry: dict, name: str) -> tu
                             "the device")
         if value.dim() == 0:
             kept.append(_Kept(key, SCALAR, None))
-        elif value.device != param.device:
+        elif check_device and value.device != param.device:
             raise TypeError(f"{where} is on {value.device}, its param on {param.device}; SwapOptimizer streams "
                             "states kept on their param's device. Keep this optimizer's state as it is")
         else:
@@ -164,13 +168,28 @@ def _same_state(a: dict, b: dict, flatten: bool = False) -> bool:
 
 
 def _same_value(a: Any, b: Any) -> bool:
+    """Equal values, NaN equal to NaN (a tensor comparison waits for it)."""
     if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and a.dtype == b.dtype \
-            and torch.equal(a.cpu(), b.cpu())
+        if not (torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and a.dtype == b.dtype):
+            return False
+        a, b = a.detach(), b.detach().to(a.device)
+        return bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b).all())
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
     try:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001  (values that cannot be compared are not the same)
         return False
+
+
+def _fresh(value: Any) -> Any:
+    """A copy of a group value that a call may change in place (a tensor, a
+    container), so that every call starts from the value before the step."""
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, (list, dict, set)):
+        return copy.deepcopy(value)
+    return value
 
 
 class RuleSwapOptimizer(SwapOptimizer):
@@ -205,6 +224,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._rounding_seed = None
         self._learned: dict = {}
         self._probed: set = set()  # (group, dimensionality) whose contract was probed
+        self._stateless: set = set()  # ids of params whose first update kept no state
         self.__dict__["_unscale_in_step"] = _unscales_in_step(optimizer, declaration, self.config.unscale_in_step)
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
@@ -216,6 +236,10 @@ class RuleSwapOptimizer(SwapOptimizer):
                              "and cannot keep such a value. This optimizer cannot be wrapped; keep its state on the "
                              "device")
         existing = {p: dict(s) for p, s in optimizer.state.items() if s}
+        if declaration.states is None:  # a vouched-for optimizer's own states: on their params' devices
+            index_of = {id(p): i for i, p in enumerate(all_params)}
+            for p, entry in existing.items():
+                _learn_layout(index_of[id(p)], p, entry, name, check_device=True)
         self._lay_out(existing)
         itself = weakref.ref(self)
         optimizer.state_dict = lambda: itself().state_dict()
@@ -422,29 +446,32 @@ class RuleSwapOptimizer(SwapOptimizer):
                                    f"{type(self.optimizer).__name__} runs on dense grads here (torch.optim.SparseAdam "
                                    "is the optimizer for sparse ones)")
         self._sync_edits(params)
-        # What every batch call starts from: the groups and scalars before the step.
+        # What every batch call starts from: the groups before the step.
         self._step_groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         self._group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-        self._had_state = list(self._shown)
-        self._scalars_before = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                                for s in self._scalars]  # apart from the kept tensors, which the last piece writes
         self._groups_after: dict[int, dict] = {}
-        # A trusted optimizer's params without state yet are updated whole, one
-        # at a time, to learn what they keep; the others go through the store.
-        first = [i for i, grad in enumerate(grads) if grad is not None and self._learning and not self._shown[i]]
+        # A vouched-for optimizer's params without state yet are updated whole,
+        # one at a time, to learn what they keep; the others go through the store.
+        first = [i for i, grad in enumerate(grads) if grad is not None and self._learning and not self._shown[i]
+                 and id(params[i]) not in self._stateless]
         with _signals_after_the_step():  # raised once the step and its bookkeeping are done
             self._stepping = True
             try:
-                learned = self._learn_first_updates(params, grads, first) if first else {}
+                if self._learning:
+                    self._probe_contract(params, grads, [i for i, grad in enumerate(grads) if grad is not None])
+                if first:
+                    self._learn_first_updates(params, grads, first)
+                self._had_state = list(self._shown)
+                self._scalars_before = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                                        for s in self._scalars]  # the kept tensors are the last piece's to write
                 streamed = [None if i in first else grad for i, grad in enumerate(grads)]
                 self._runtime.step([_local(p) for p in params], streamed, [], None, None, deferred=False)
-                for g, after in self._groups_after.items():  # the same from every call: the group's new values
-                    self.param_groups[g].update(after)
+                for g, writes in self._groups_after.items():  # the same from every call: the group's new values
+                    # (a tensor copied again here: one made in a call is an inference tensor)
+                    self.param_groups[g].update({k: v.clone() if torch.is_tensor(v) else v for k, v in writes.items()})
             finally:
                 self._stepping = False
                 self._step_groups = None
-            if learned:
-                self._lay_out({**self._kept_state(), **learned})
             state = self.__dict__["_state"]
             for i, grad in enumerate(grads):
                 if grad is not None and self._layouts_now[i]:  # SGD without momentum keeps no state, as in torch
@@ -452,92 +479,111 @@ class RuleSwapOptimizer(SwapOptimizer):
                     state[params[i]] = self._entry(i)  # a first step's scalars are new objects
         return loss
 
-    def _learn_first_updates(self, params: list[torch.Tensor], grads: list, first: list[int]) -> dict:
+    def _learn_first_updates(self, params: list[torch.Tensor], grads: list, first: list[int]) -> None:
         """A trusted optimizer's first update of each param in `first`, whole
         and on its own, on the device: the states it makes tell the param's
-        layout. Returns param -> its new state (tensors moved to the host).
-        If a call breaks the contract, the params updated so far get their
-        values back before the error, so nothing changed."""
+        layout, and the store is laid out again with them. If anything fails
+        (a call breaks the contract, a state cannot be streamed, state_keys
+        names a state it does not keep), the params updated so far get their
+        values back before the error: nothing changed."""
         name = type(self.optimizer).__name__
-        backups, entries = [], {}
-        self._probe_contract(params, grads, first)
+        backups, entries, stateless = [], {}, []
         try:
             for i in first:
                 param = params[i]
                 backups.append((param, param.detach().to("cpu", copy=True)))
                 piece = param.detach()
-                piece.grad = grads[i]
+                piece.grad = grads[i].clone()  # the call may change it in place; a refusal must not
                 state = {piece: {}}
-                call_group = dict(self._step_groups[self._group_of[i]], params=[piece])
+                call_group, start = self._call_group(self._group_of[i], [piece])
                 run_torch_update(self.optimizer, [call_group], state, strict=True)
-                self._note_groups_after(self._group_of[i], call_group)
+                self._note_groups_after(self._group_of[i], call_group, start)
                 entry = state[piece]
-                _learn_layout(i, param, entry, name)  # refuses what cannot be streamed
+                _learn_layout(i, param, entry, name, check_device=True)  # refuses what cannot be streamed
+                if not entry:
+                    stateless.append(id(param))
+                    continue
                 entries[param] = {key: value.to("cpu", copy=True) if torch.is_tensor(value) and value.dim() > 0
                                   else value for key, value in entry.items()}
+            if entries:
+                self._lay_out({**self._kept_state(), **entries})
         except BaseException:
             for param, backup in backups:
                 param.detach().copy_(backup)
             raise
-        return entries
+        self._stateless.update(stateless)
 
-    def _probe_contract(self, params: list[torch.Tensor], grads: list, first: list[int]) -> None:
+    def _probe_contract(self, params: list[torch.Tensor], grads: list, candidates: list[int]) -> None:
         """What can be checked of the user's word before a trusted optimizer's
         first update, on copies of the smallest new param of each group and
         dimensionality, over two updates (a first one is often scale-free, as
         Adam's is): that they are the same beside another param in the call
         (no global norm, as LAMB's clipping; no estimate over the params, as
         Prodigy's d) and, with trust_elementwise_step, the same when the param
-        is cut in two. A check, not a proof (docs/usage.md)."""
+        is cut in two. Once per (group, dimensionality) after the optimizer was
+        wrapped or loaded, whether the params have state or not; the caller's
+        random number streams are left as they were. A check, not a proof
+        (docs/usage.md)."""
         name = type(self.optimizer).__name__
         smallest: dict[tuple, int] = {}
-        for i in first:
+        for i in candidates:
             key = (self._group_of[i], params[i].dim())
             if key not in self._probed and (key not in smallest or params[i].numel() < params[smallest[key]].numel()):
                 smallest[key] = i
-        for key, i in smallest.items():
-            value, grad = params[i].detach(), grads[i]
-            # A second grad that is no multiple of the first.
-            grads_by_step = [grad, grad.reshape(-1).roll(1).reshape(grad.shape) * 2]
-            alone, = self._probe_updates(key[0], [value], [[g] for g in grads_by_step])
-            layout = _learn_layout(i, params[i], alone[1], name)  # refuses what cannot be streamed
-            # The companion comes first: an update that depends on what came
-            # before it in the call (a running norm, a value carried from one
-            # param to the next) shows too.
-            _, beside = self._probe_updates(key[0], [value * 3 + 1, value], [[g * 1000 + 1, g] for g in grads_by_step])
-            if not (torch.equal(alone[0], beside[0]) and _same_state(alone[1], beside[1])):
-                raise RuntimeError(
-                    f"SwapOptimizer: {name}'s update of param {i} changes when another param is in the same call: "
-                    "its step combines params (a global norm, as LAMB's clipping, an estimate over all params, "
-                    "as Prodigy's d, or a value carried from one param to the next), so it cannot run batch by "
-                    "batch, whatever trust_per_param_step "
-                    "says. Keep this optimizer's state on the device (or turn off what combines the params, such "
-                    "as a max_grad_norm of the optimizer's own)")
-            if self.declaration.elementwise and value.numel() >= 2 and value.is_contiguous() \
-                    and all(s.kind == ELEMENT for s in layout if s.kind != SCALAR):
-                half = value.numel() // 2
-                flat = value.reshape(-1)
-                try:
-                    pieces = self._probe_updates(key[0], [flat[:half], flat[half:]],
-                                                 [[g.reshape(-1)[:half], g.reshape(-1)[half:]] for g in grads_by_step])
-                    (first_value, first_state), (second_value, second_state) = pieces
-                    is_array = [k for k, v in second_state.items() if torch.is_tensor(v) and v.dim() > 0]
-                    joined = dict(second_state, **{k: torch.cat([first_state[k].reshape(-1), second_state[k].reshape(-1)])
-                                                  for k in is_array})
-                    cut_alike = torch.equal(torch.cat([first_value, second_value]), alone[0].reshape(-1)) \
-                        and _same_state({k: v for k, v in first_state.items() if k not in is_array},
-                                        {k: v for k, v in second_state.items() if k not in is_array}) \
-                        and _same_state(joined, alone[1], flatten=True)
-                    failure = ""
-                except Exception as error:  # noqa: BLE001  (a piece the update cannot take: the answer is no)
-                    cut_alike, failure = False, f" ({type(error).__name__}: {error})"
-                if not cut_alike:
+        # The probe's random draws leave the user's streams as they were.
+        devices = sorted({params[i].device.index or 0 for i in smallest.values()
+                          if params[i].device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices):
+            for key, i in smallest.items():
+                value, grad = params[i].detach(), grads[i]
+                # A second grad that is no multiple of the first.
+                grads_by_step = [grad, grad.reshape(-1).roll(1).reshape(grad.shape) * 2]
+                alone, = self._probe_updates(key[0], [value], [[g] for g in grads_by_step])
+                layout = _learn_layout(i, params[i], alone[1], name, check_device=True)  # refuses the unstreamable
+                # The companion comes first: an update that depends on what came
+                # before it in the call (a running norm, a value carried from one
+                # param to the next) shows too.
+                _, beside = self._probe_updates(key[0], [value * 3 + 1, value],
+                                                [[g * 1000 + 1, g] for g in grads_by_step])
+                if not (torch.equal(alone[0], beside[0]) and _same_state(alone[1], beside[1])):
                     raise RuntimeError(
-                        f"SwapOptimizer: trust_elementwise_step=True, but {name}'s update of param {i} cut in two "
-                        f"differs from its update whole{failure}: it reads the whole param (a per-param norm, as "
-                        "LAMB's trust ratio, or a matrix operation, as Muon's). Drop trust_elementwise_step; its "
-                        "params then move whole")
-            self._probed.add(key)
+                        f"SwapOptimizer: {name}'s update of param {i} changes when another param is in the same call: "
+                        "its step combines params (a global norm, as LAMB's clipping, an estimate over all params, "
+                        "as Prodigy's d, a value carried from one param to the next, or random numbers drawn in "
+                        "turn), so it cannot run batch by batch, whatever trust_per_param_step says. Keep this "
+                        "optimizer's state on the device (or turn off what combines the params, such as a "
+                        "max_grad_norm of the optimizer's own)")
+                if self.declaration.elementwise and value.numel() >= 2 and value.is_contiguous() \
+                        and all(s.kind == ELEMENT for s in layout if s.kind != SCALAR):
+                    self._probe_cut(key[0], i, value, grads_by_step, alone)
+                self._probed.add(key)
+
+    def _probe_cut(self, g: int, index: int, value: torch.Tensor, grads_by_step: list, alone: tuple) -> None:
+        """trust_elementwise_step's check: the updates of `value` cut in two
+        halves, as two params of one call, are its updates whole (`alone`)."""
+        half = value.numel() // 2
+        flat = value.reshape(-1)
+        try:
+            (first_value, first_state), (second_value, second_state) = self._probe_updates(
+                g, [flat[:half], flat[half:]], [[grad.reshape(-1)[:half], grad.reshape(-1)[half:]]
+                                                for grad in grads_by_step])
+            arrays = [k for k, v in second_state.items() if torch.is_tensor(v) and v.dim() > 0]
+            joined = dict(second_state, **{k: torch.cat([first_state[k].reshape(-1), second_state[k].reshape(-1)])
+                                          for k in arrays})
+            cut_alike = torch.equal(torch.cat([first_value, second_value]), alone[0].reshape(-1)) \
+                and _same_state({k: v for k, v in first_state.items() if k not in arrays},
+                                {k: v for k, v in second_state.items() if k not in arrays}) \
+                and _same_state(joined, alone[1], flatten=True)
+            failure = ""
+        except Exception as error:  # noqa: BLE001  (a piece the update cannot take: the answer is no)
+            cut_alike, failure = False, f" ({type(error).__name__}: {error})"
+        if not cut_alike:
+            name = type(self.optimizer).__name__
+            raise RuntimeError(
+                f"SwapOptimizer: trust_elementwise_step=True, but {name}'s update of param {index} cut in two "
+                f"differs from its update whole{failure}: it reads the whole param (a per-param norm, as LAMB's "
+                "trust ratio, or a matrix operation, as Muon's). Drop trust_elementwise_step; its params then move "
+                "whole")
 
     def _probe_updates(self, g: int, values: list[torch.Tensor], grads_by_step: list[list[torch.Tensor]]) -> list:
         """The trusted optimizer's updates of copies of `values`, params of one
@@ -545,21 +591,55 @@ class RuleSwapOptimizer(SwapOptimizer):
         of grads_by_step (their grads): each copy after them, and its state."""
         pieces = [value.clone() for value in values]
         state = {piece: {} for piece in pieces}
-        group = dict(self._step_groups[g], params=pieces)  # what one update writes, the next reads
-        for step_grads in grads_by_step:
+        group, _ = self._call_group(g, pieces)  # what one update writes, the next reads
+        for number, step_grads in enumerate(grads_by_step):
             for piece, grad in zip(pieces, step_grads):
                 piece.grad = grad.clone()
             run_torch_update(self.optimizer, [group], state, strict=True)
+            keys = [sorted(state[piece]) for piece in pieces]
+            if number == 0:
+                first_keys = keys
+            elif keys != first_keys:
+                raise RuntimeError(f"SwapOptimizer: {type(self.optimizer).__name__}'s states change after a param's "
+                                   f"first update ({first_keys[0]}, then {keys[0]}); SwapOptimizer keeps the states a "
+                                   "param has after its first update, as torch.optim does. This optimizer cannot be "
+                                   "wrapped; keep its state on the device")
         return [(piece, state[piece]) for piece in pieces]
 
-    def _note_groups_after(self, g: int, call_group: dict) -> None:
-        """What a call wrote into its copy of param group `g`: every call must
-        write the same (a group step counter, as timm's Adan keeps); a value
-        that differs between calls was computed over the params of the call."""
-        after = {key: value for key, value in call_group.items() if key != "params"}
-        first = self._groups_after.setdefault(g, after)  # the first call's group: every other must end the same
-        for key in first.keys() | after.keys():
-            a, b = first.get(key, "(no value)"), after.get(key, "(no value)")
+    def _call_group(self, g: int, params: list) -> tuple[dict, dict]:
+        """A call's copy of param group `g` as it was before the step, holding
+        `params`, and what it started from (key -> value)."""
+        group = {key: _fresh(value) for key, value in self._step_groups[g].items()}
+        start = dict(group)
+        group["params"] = params
+        return group, start
+
+    def _note_groups_after(self, g: int, call_group: dict, start: dict) -> None:
+        """What a call wrote into its copy of param group `g` (a value set,
+        or a tensor or container changed in place): every call must write the
+        same (a group step counter, as timm's Adan keeps); a value that differs
+        between calls was computed over the params of the call. (A tensor
+        written there is compared on the host: a wait per call.)"""
+        written = {}
+        for key, value in call_group.items():
+            if key == "params":
+                continue
+            # A tensor or container the call got as a copy may have changed in
+            # place: compared by value with the group's (the runtime's calls run
+            # in inference mode, where a copy's version counter says nothing).
+            if key not in start or value is not start[key] or (
+                    (torch.is_tensor(value) or isinstance(value, (list, dict, set)))
+                    and not _same_value(value, self._step_groups[g][key])):
+                written[key] = value
+        removed = sorted(set(start) - set(call_group))
+        if removed:
+            raise RuntimeError(f"SwapOptimizer: {type(self.optimizer).__name__}'s step removed {removed} from param "
+                               f"group {g}; SwapOptimizer runs the step batch by batch and cannot follow that. This "
+                               "optimizer cannot be wrapped; keep its state on the device")
+        first = self._groups_after.setdefault(g, written)  # the first call's writes: every other must match
+        for key in first.keys() | written.keys():
+            unwritten = self._step_groups[g].get(key, "(no value)")  # what a call that did not write it leaves
+            a, b = first.get(key, unwritten), written.get(key, unwritten)
             if a is not b and not _same_value(a, b):
                 raise RuntimeError(
                     f"SwapOptimizer: {type(self.optimizer).__name__}'s step wrote param group {g}'s '{key}' as "
@@ -625,17 +705,30 @@ class RuleSwapOptimizer(SwapOptimizer):
             rows.append((index, offset + count == param.numel(), piece, views))
         if not rows:
             return
-        call_groups = [dict(self._step_groups[g], params=pieces) for g, pieces in sorted(groups.items())]
-        run_torch_update(self.optimizer, call_groups, state, strict=self._learning, grad_scale=self._grad_scale)
-        for g, call_group in zip(sorted(groups), call_groups):
-            self._note_groups_after(g, call_group)
+        if self._learning:  # a vouched-for step may write its groups: each call gets copies, checked after
+            calls = [self._call_group(g, pieces) for g, pieces in sorted(groups.items())]
+            run_torch_update(self.optimizer, [group for group, _ in calls], state, strict=True)
+            for g, (call_group, start) in zip(sorted(groups), calls):
+                self._note_groups_after(g, call_group, start)
+        else:  # torch's own steps leave their groups as they are
+            run_torch_update(self.optimizer, [dict(self._step_groups[g], params=pieces)
+                                              for g, pieces in sorted(groups.items())], state,
+                             grad_scale=self._grad_scale)
+        name = type(self.optimizer).__name__
+        source = "it kept at its first update" if self._learning else "its declaration says it keeps"
         for index, last, piece, views in rows:
             entry = state[piece]
+            kept = {spec.name for spec in self._layouts_now[index]}
+            if self._had_state[index] and set(entry) != kept:
+                raise RuntimeError(f"SwapOptimizer: {name}'s step left param {index} with states {sorted(entry)}, but "
+                                   f"{source} {sorted(kept)}: SwapOptimizer keeps a param's states from its first "
+                                   "update on, as torch.optim does. This optimizer cannot be wrapped; keep its state "
+                                   "on the device")
             for key, view in views.items():
                 value = entry.get(key)
                 if value is None:
-                    raise RuntimeError(f"SwapOptimizer: {type(self.optimizer).__name__}'s step kept no '{key}' for "
-                                       f"param {index}, which its declaration says it keeps")
+                    raise RuntimeError(f"SwapOptimizer: {name}'s step kept no '{key}' for param {index}, which "
+                                       f"{source}")
                 if value is not view:  # created or replaced by torch's step: adopted into the store
                     view.copy_(value)
             if last:  # the param's scalars after the step: in place, as torch keeps them (identity included)
@@ -672,6 +765,7 @@ class RuleSwapOptimizer(SwapOptimizer):
             inner.state = saved_state
             _check_groups(inner, self.declaration)
             self._lay_out(loaded)  # a new store (no torn params), or an error before anything is replaced
+            self._probed.clear()  # new settings: a vouched-for optimizer's contract is checked again
         except BaseException:
             inner.state, inner.param_groups = saved_state, saved_groups
             raise

@@ -210,6 +210,20 @@ def _torch_step(optimizer: torch.optim.Optimizer):
     return step.__wrapped__ if getattr(step, "hooked", False) else step
 
 
+def _fingerprint(value) -> tuple:
+    """What shows an in-place change of an attribute: a tensor's version, a
+    container's members (by identity, tensors by version)."""
+    if torch.is_tensor(value):
+        return ("tensor", id(value), value._version)
+    if isinstance(value, (list, tuple)):
+        return ("sequence", tuple(_fingerprint(v) if torch.is_tensor(v) else id(v) for v in value))
+    if isinstance(value, dict):
+        return ("mapping", tuple((k, _fingerprint(v) if torch.is_tensor(v) else id(v)) for k, v in value.items()))
+    if isinstance(value, set):
+        return ("set", frozenset(id(v) for v in value))
+    return ("object", id(value))
+
+
 def foreign_state_keys(state: dict, param_ids: set) -> list[str]:
     """The keys of an optimizer's `state` that are not among its params."""
     return sorted(f"a tensor of shape {tuple(key.shape)}" if torch.is_tensor(key) else repr(key)
@@ -227,8 +241,17 @@ def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state
     naming it."""
     stand_in = object.__new__(type(optimizer))
     stand_in.__dict__.update(optimizer.__dict__, param_groups=groups, state=state, **(grad_scale or {}))
+    before = {key: _fingerprint(value) for key, value in optimizer.__dict__.items()} if strict else None
     _torch_step(optimizer)(stand_in)
     if strict:
+        changed = sorted(key for key, value in optimizer.__dict__.items()
+                         if key not in ("param_groups", "state") and _fingerprint(value) != before[key])
+        if changed:
+            raise RuntimeError(f"SwapOptimizer: {type(optimizer).__name__}'s step changed the optimizer's "
+                               f"attribute(s) {changed} in place, outside its params' states and param groups; "
+                               "SwapOptimizer runs the step batch by batch and cannot keep such a value. This "
+                               "optimizer cannot be wrapped; keep its state on the device (the attribute has "
+                               "been changed)")
         params = {id(p) for group in groups for p in group["params"]}
         foreign = foreign_state_keys(state, params)
         if foreign:

@@ -363,3 +363,184 @@ def test_an_interrupt_during_a_learning_step_lets_it_finish():
             swapped.step()
     assert all(same_bits(p, q) for p, q in zip(reference, params))
     assert bits(swapped.state_dict()["state"][0]["exp_avg"]).equal(bits(plain.state_dict()["state"][0]["exp_avg"]))
+
+
+class HalvesGrads(Lion):
+    """Changes each grad in place before its update."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+        super().step(closure)
+
+
+def test_a_failure_after_the_first_updates_changes_nothing():
+    """state_keys naming a state the optimizer does not keep is found once its
+    first updates have run: the params and their grads get their values back
+    and no state is kept; with the name fixed, training then matches."""
+    params, reference = make_params(), make_params()
+    swapped = so.SwapOptimizer(HalvesGrads(params), trust_per_param_step=True, swap_times=4, min_numel=0,
+                               state_keys=("exp_avgg",))
+    give_grads(0, params, reference)
+    with pytest.raises(ValueError, match="\\['exp_avgg'\\] are not states of HalvesGrads here"):
+        swapped.step()
+    assert all(same_bits(p, q) and same_bits(p.grad, q.grad) for p, q in zip(params, reference))
+    assert not swapped.state
+
+
+class LateState(Lion):
+    """Adds a state at a param's second update."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["updates"] = state.get("updates", 0) + 1
+                if state["updates"] == 2:
+                    state["ema"] = p.detach().clone()
+
+
+class GroupTensorCounter(Lion):
+    """Counts steps in a 0-dim tensor in its param group, in place."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group.setdefault("count", torch.zeros(())).add_(1)
+        super().step(closure)
+
+
+class AttributeTensorCounter(Lion):
+    def __init__(self, params):
+        super().__init__(params)
+        self.counter = torch.zeros(())
+
+    def step(self, closure=None):
+        self.counter.add_(1)
+        super().step(closure)
+
+
+@pytest.mark.parametrize("make, message", [
+    (LateState, "states change after a param's first update \\(\\['exp_avg', 'updates'\\], then \\['ema', "),
+    (AttributeTensorCounter, "changed the optimizer's attribute\\(s\\) \\['counter'\\] in place"),
+])
+def test_what_the_probe_sees_over_two_updates_is_refused(make, message):
+    params = make_params()
+    swapped = so.SwapOptimizer(make(params), trust_per_param_step=True, swap_times=4, min_numel=0)
+    before = [p.detach().clone() for p in params]
+    give_grads(0, params)
+    with pytest.raises(RuntimeError, match=message):
+        swapped.step()
+    assert all(same_bits(p, q) for p, q in zip(params, before)) and not swapped.state
+
+
+def test_a_group_tensor_changed_in_place_counts_once_per_step():
+    """Every call starts from a copy of the group's tensor: after 3 steps the
+    group holds 3, as the plain optimizer's does."""
+    plain, swapped = run_pair(GroupTensorCounter, steps=3, swap_times=4, trust_elementwise_step=True)
+    assert swapped.param_groups[0]["count"].item() == plain.param_groups[0]["count"].item() == 3
+
+
+def test_an_optimizer_that_stepped_before_it_was_wrapped_is_probed_too():
+    """Wrapped after a plain step (its params have state), or resumed through
+    load_state_dict: the first step still checks the contract."""
+    params = make_params()
+    plain = GlobalNorm(params)
+    give_grads(0, params)
+    plain.step()
+    swapped = so.SwapOptimizer(plain, trust_per_param_step=True, swap_times=4, min_numel=0)
+    before = [p.detach().clone() for p in params]
+    give_grads(1, params)
+    with pytest.raises(RuntimeError, match="changes when another param is in the same call"):
+        swapped.step()
+    assert all(same_bits(p, q) for p, q in zip(params, before))
+
+
+class SignDescent(torch.optim.Optimizer):
+    """Keeps no state at all."""
+
+    def __init__(self, params):
+        super().__init__(params, dict(lr=1e-3))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+def test_a_stateless_optimizer_is_learned_once():
+    """Its first update shows it keeps nothing: later steps run through the
+    pipeline (one resident batch), not the first-update path again."""
+    _, swapped = run_pair(SignDescent, steps=1, swap_times=4)
+    runtime = swapped._runtime
+    params = swapped.param_groups[0]["params"]
+    for step in range(1, 3):
+        give_grads(step, params)
+        swapped.step()
+    assert swapped._runtime is runtime and swapped.memory_stats()["host_state_bytes"] == 0
+
+
+def test_states_from_the_host_store_are_not_held_to_the_params_device():
+    """A vouched-for optimizer's own states must be on their param's device;
+    the same states read back from the host store (a re-layout on CUDA) are
+    not refused for being on the host. (A meta param stands in for CUDA.)"""
+    from swap_optimizer.rule_optimizer import ELEMENT, _learn_layout
+
+    param = torch.empty(3, 4, device="meta")
+    entry = {"exp_avg": torch.zeros(3, 4), "step": 1}
+    with pytest.raises(TypeError, match="is on cpu, its param on meta"):
+        _learn_layout(0, param, entry, "Lion", check_device=True)
+    assert [s.kind for s in _learn_layout(0, param, entry, "Lion")] == [ELEMENT, "scalar"]
+
+
+class RemovesGroupKey(Lion):
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group.pop("note", None)
+        super().step(closure)
+
+
+class StateAtTheThirdUpdate(Lion):
+    """A state that appears only at a param's third update: past the probe's
+    two, found in the pipeline."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["updates"] = state.get("updates", 0) + 1
+                if state["updates"] == 3:
+                    state["late"] = 0
+
+
+def test_a_step_that_removes_a_group_key_is_refused_and_changes_nothing():
+    params = make_params()
+    optimizer = RemovesGroupKey(params)
+    optimizer.param_groups[0]["note"] = "kept"
+    swapped = so.SwapOptimizer(optimizer, trust_per_param_step=True, swap_times=4, min_numel=0)
+    before = [p.detach().clone() for p in params]
+    give_grads(0, params)
+    with pytest.raises(RuntimeError, match="step removed \\['note'\\] from param group 0"):
+        swapped.step()
+    assert all(same_bits(p, q) for p, q in zip(params, before)) and swapped.param_groups[0]["note"] == "kept"
+
+
+def test_states_that_change_later_tear_the_batch():
+    params = make_params()
+    swapped = so.SwapOptimizer(StateAtTheThirdUpdate(params), trust_per_param_step=True, swap_times=4, min_numel=0)
+    for step in range(2):
+        give_grads(step, params)
+        swapped.step()
+    give_grads(2, params)
+    with pytest.raises(RuntimeError, match="left param 0 with states \\['exp_avg', 'late', 'updates'\\]"):
+        swapped.step()
+    with pytest.raises(RuntimeError, match="partly updated; step\\(\\) refuses"):
+        swapped.step()

@@ -14,7 +14,7 @@ from test_rules import give_grads, same_bits
 pytestmark = pytest.mark.slow
 
 SHAPES = [(64, 120), (9000,), (32, 50), (5,)]  # the 9000 is cut at swap_times=16
-STEPS = 4
+STEPS = 6
 
 TIMM = ["AdaBelief", "Adahessian", "AdamP", "Adan", "Adopt", "LaProp", "Lamb", "Lars", "Lion", "MADGRAD", "Mars",
         "Muon", "NAdamW", "NvNovoGrad", "RMSpropTF", "SGDP", "SGDW", "AdafactorBigVision", "NAdamLegacy",
@@ -51,6 +51,8 @@ def make_params():
 
 
 def run(cls, swapped_settings=None):
+    """The params after STEPS steps, and the states as the optimizer's state
+    dict holds them (tensors and numbers, by param index)."""
     params = make_params()
     optimizer = cls(params, lr=1e-3)
     if swapped_settings is not None:
@@ -58,7 +60,27 @@ def run(cls, swapped_settings=None):
     for step in range(STEPS):
         give_grads(step, params)
         optimizer.step()
-    return params
+    return params, optimizer.state_dict().get("state")  # None: a format of its own (a wrapper's, as Magma's)
+
+
+def same_states(a, b):
+    """Equal states, bitwise; an empty entry (a plain optimizer's defaultdict
+    makes one for a param it only looked at) counts as none."""
+    a, b = ({index: entry for index, entry in s.items() if entry} for s in (a, b))
+    if a.keys() != b.keys():
+        return False
+    for index, entry in a.items():
+        if entry.keys() != b[index].keys():
+            return False
+        for key, value in entry.items():
+            other = b[index][key]
+            if torch.is_tensor(value) != torch.is_tensor(other):
+                return False
+            if torch.is_tensor(value) and not same_bits(value.cpu(), other.cpu()):
+                return False
+            if not torch.is_tensor(value) and not (value == other or value != value and other != other):
+                return False
+    return True
 
 
 @pytest.mark.parametrize("name", [f"timm.{n}" for n in TIMM] + [f"po.{n}" for n in pytorch_optimizer_names()])
@@ -69,15 +91,17 @@ def test_bitwise_or_refused(name):
     if isinstance(cls, type) and issubclass(cls, torch.optim.Adam):
         pytest.skip("Adam/AdamW: SwapOptimizer's own fused path (tests/test_fused_adam_op.py)")
     try:
-        reference = run(cls)
+        reference, reference_state = run(cls)
     except Exception as error:  # noqa: BLE001  (needs a closure, a model, extra arguments: not a case here)
         pytest.skip(f"the plain optimizer does not run on bare params here: {type(error).__name__}")
     for settings in (dict(swap_times=4), dict(swap_times=16, trust_elementwise_step=True)):
         try:
-            params = run(cls, settings)
+            params, state = run(cls, settings)
         except (RuntimeError, TypeError, ValueError) as error:
             assert str(error).startswith("SwapOptimizer"), f"{name} {settings}: {error}"
             assert name not in (ELEMENTWISE if "trust_elementwise_step" in settings else PER_PARAM), \
                 f"{name} {settings}: {error}"
             continue
-        assert all(same_bits(p, q) for p, q in zip(params, reference)), f"{name} {settings}: differs silently"
+        assert all(same_bits(p, q) for p, q in zip(params, reference)), f"{name} {settings}: params differ"
+        if reference_state is not None:
+            assert same_states(state, reference_state), f"{name} {settings}: states differ"
