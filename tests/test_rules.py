@@ -2,6 +2,9 @@
 the staged states, is bitwise the plain optimizer's (params and every state),
 whatever the batching; what cannot be run exactly is refused."""
 
+import copy
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -542,3 +545,86 @@ def test_an_interrupt_lets_the_step_finish_then_raises(name):
     plain.step()
     swapped.step()
     assert all(same_bits(p, q) for p, q in zip(a, b))
+
+
+def entry_bits(entry):
+    return {key: bits(value).clone() if torch.is_tensor(value) else value for key, value in entry.items()}
+
+
+@pytest.mark.parametrize("fault", ["stage_in", "update"])
+@pytest.mark.parametrize("name", ["SGD", "NAdam", "Adafactor"])
+def test_a_fault_at_any_batch_loses_nothing(name, fault):
+    """A copy in or an update failing at each batch: every param not reported
+    torn is, with its states and scalars, wholly the plain optimizer's before
+    the step or wholly after it; a torn one makes step() refuse until a state
+    dict is loaded, and training from that state then matches the plain
+    optimizer's."""
+    kwargs = dict(next(k for n, k in CASES if n == name))
+    cls = getattr(torch.optim, name)
+    batches = len(so.SwapOptimizer(cls(make_params(name), **kwargs), swap_times=4, min_numel=0)._batch_plan())
+    assert batches >= 3
+    tears = 0
+    for fault_batch in range(batches):
+        params = make_params(name)
+        swapped = so.SwapOptimizer(cls(params, **kwargs), swap_times=4, min_numel=0)
+        give_grads(0, params)
+        swapped.step()
+        saved = copy.deepcopy(swapped.state_dict())  # torch's load would keep the store's own tensors
+        before = [(bits(p).clone(), entry_bits(swapped.state[p])) for p in params]
+        reference = [p.detach().clone() for p in params]
+        plain = cls(reference, **kwargs)
+        plain.load_state_dict(saved)
+        give_grads(1, reference, params)
+        plain.step()
+        after = [(bits(p).clone(), entry_bits(plain.state[p])) for p in reference]
+        swapped._set_test_hooks(fault=fault, fault_batch=fault_batch)
+        with pytest.raises(RuntimeError) as failure:
+            swapped.step()
+        swapped._set_test_hooks()
+        torn = {int(i) for i in re.findall(r"param (\d+) \(shape", str(failure.value))}
+        for i, p in enumerate(params):
+            if i in torn:
+                continue
+            now = (bits(p), entry_bits(swapped.state[p]))
+            assert any(torch.equal(now[0], then[0]) and now[1].keys() == then[1].keys() and all(
+                torch.equal(now[1][k], v) if torch.is_tensor(v) else now[1][k] == v for k, v in then[1].items())
+                for then in (before[i], after[i])), (fault_batch, i)
+        if torn:
+            tears += 1
+            with pytest.raises(RuntimeError, match="partly updated"):
+                swapped.step()
+        swapped.load_state_dict(plain.state_dict())  # mends a torn param; either way training goes on
+        with torch.no_grad():
+            for p, q in zip(params, reference):
+                p.copy_(q)
+        give_grads(2, reference, params)
+        plain.step()
+        swapped.step()
+        assert all(same_bits(p, q) for p, q in zip(params, reference)), fault_batch
+        assert_same_state(plain, swapped)
+    assert (tears > 0) == (name not in WHOLE), "a fault inside a cut param tears it; whole params never tear"
+
+
+@pytest.mark.parametrize("name", ["SGD", "NAdam", "Adafactor"])
+def test_writes_through_data_between_steps(name):
+    """A param's values written through .data (in place, or a new tensor put
+    in its place, as weight-averaging and checkpoint-loading code does)
+    between steps: the next steps use them, bitwise like the plain optimizer."""
+    kwargs = dict(next(k for n, k in CASES if n == name))
+    cls = getattr(torch.optim, name)
+    a, b = make_params(name), make_params(name)
+    plain = cls(a, **kwargs)
+    swapped = so.SwapOptimizer(cls(b, **kwargs), swap_times=4, min_numel=0)
+    for step in range(4):
+        give_grads(step, a, b)
+        plain.step()
+        swapped.step()
+        for p, q in zip(a, b):
+            if step == 1:
+                p.data.mul_(0.5)
+                q.data.mul_(0.5)
+            if step == 2:
+                p.data = p.data.clone() + 1
+                q.data = q.data.clone() + 1
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
