@@ -28,7 +28,6 @@ def _refuse_settings(config: SwapOptimizerConfig, name: str) -> None:
     adam_only = [field for field, off in (("state_dtype", config.state_dtype is None),
                                           ("master_weights", not config.master_weights),
                                           ("kahan_summation", not config.kahan_summation),
-                                          ("staging_budget_bytes", config.staging_budget_bytes is None),
                                           ("overlap_forward", not config.overlap_forward)) if not off]
     if adam_only:
         raise ValueError(f"SwapOptimizer: {', '.join(adam_only)} work(s) with Adam/AdamW only for now, not with "
@@ -308,10 +307,13 @@ class RuleSwapOptimizer(SwapOptimizer):
             raise ValueError(f"SwapOptimizerConfig.state_keys: {unknown} are not states of "
                              f"{type(self.optimizer).__name__} here; its states are {keys}")
         swap_keys = [self.config.state_keys is None or key in self.config.state_keys for key in keys]
+        swap_times = self.config.swap_times
+        if self.config.staging_budget_bytes is not None:
+            swap_times = self._swap_times_for_budget(locals_, states, swappable, splittable, swap_keys)
         itself = weakref.ref(self)  # the runtime holds the rule; the rule must not keep this optimizer alive
         runtime = _C.SwapRuntime(locals_, states, swappable, splittable,
                                  lambda *args: itself()._update_batch(*args),
-                                 swap_times=self.config.swap_times, num_arenas=self.config.num_arenas,
+                                 swap_times=swap_times, num_arenas=self.config.num_arenas,
                                  pin_memory=self.config.pin_memory, keep_arenas=self.config.keep_arenas,
                                  swap_keys=swap_keys)
         views = [runtime.state_views(i) for i in range(len(params))]
@@ -348,6 +350,49 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._data_pointers = [_local(p).data_ptr() for p in params]
         self._refresh_state(params)
+
+    def _swap_times_for_budget(self, params: list, states: list, swappable: list, splittable: list,
+                               swap_keys: list) -> int:
+        """The smallest swap_times whose staging plus torch's update temporaries
+        (an estimate, see memory_stats) fit in staging_budget_bytes; refuses,
+        naming the smallest budget that works, when none does."""
+        budget, num_arenas = self.config.staging_budget_bytes, self.config.num_arenas
+
+        def need(swap_times: int) -> tuple[int, int, int]:
+            summary = _C.plan_rule_staging(params, states, swappable, splittable, swap_keys,
+                                           swap_times=swap_times, num_arenas=num_arenas)
+            staging, temporaries = summary["staging_bytes"], self._temporaries_of(summary["plan"])
+            return staging + temporaries, staging, summary["finest_swap_times"]
+
+        finest = need(1)[2]
+        for swap_times in range(1, min(num_arenas, finest) + 1):  # below num_arenas batches each adds an arena
+            if need(swap_times)[0] <= budget:
+                return swap_times
+        # From there on the largest batch shrinks as batches are added (up to a
+        # wobble near the finest split): bisect, then step back while one fits.
+        low, high = min(num_arenas, finest) + 1, finest
+        if low > high or need(high)[0] > budget:
+            window = range(max(1, finest - 8), finest + 1)
+            smallest, at = min((need(k)[0], k) for k in window)
+            if smallest <= budget:
+                return at
+            whole = max((math.prod(_local(p).shape) for p, row, cut in zip(self._params(), states, splittable)
+                         if not cut and any(kind != "absent" for _, kind, *_ in row)), default=0)
+            raise ValueError(
+                f"SwapOptimizerConfig.staging_budget_bytes={budget} is too small for "
+                f"{type(self.optimizer).__name__}: the smallest budget that works is {smallest} bytes (its arenas "
+                f"and the estimate of torch's update temporaries at swap_times={at}"
+                + (f"; params its rule never cuts move whole, the largest of {whole} elements" if whole else "")
+                + "); raise the budget, or keep more params resident with a larger min_numel")
+        while low < high:
+            middle = (low + high) // 2
+            if need(middle)[0] <= budget:
+                high = middle
+            else:
+                low = middle + 1
+        while low > min(num_arenas, finest) + 1 and need(low - 1)[0] <= budget:
+            low -= 1
+        return low
 
     def _check_entry(self, index: int, param: torch.Tensor, specs, entry: dict) -> None:
         where = f"SwapOptimizer: the state of param {index} ({type(self.optimizer).__name__})"
@@ -809,10 +854,13 @@ class RuleSwapOptimizer(SwapOptimizer):
         staged states, for the largest batch: per call (one per group, run one
         after another) foreach intermediates, Newton-Schulz products, ...
         (rules.Declaration.temporaries). It comes on top of staging_bytes."""
+        return self._temporaries_of(self._plan)
+
+    def _temporaries_of(self, plan: list[dict]) -> int:
         params = self._params()
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         largest = 0
-        for batch in self._plan:
+        for batch in plan:
             rows_by_group: dict[int, list] = {}
             for index, offset, count in batch["pieces"]:
                 local = _local(params[index])

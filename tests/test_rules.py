@@ -388,6 +388,38 @@ def test_muon_refuses_a_1d_param_added_later():
     swapped.step()
 
 
+@pytest.mark.parametrize("name", ["SGD", "Muon"])
+def test_a_staging_budget_picks_swap_times_counting_torchs_temporaries(name):
+    """staging_budget_bytes: the smallest swap_times whose arenas plus the
+    estimate of torch's temporaries fit; bitwise the plain optimizer; a budget
+    below the least that works is refused, naming it (and, for Muon, that its
+    params move whole)."""
+    kwargs = dict(next(k for n, k in CASES if n == name))
+    cls = getattr(torch.optim, name)
+    params = make_params(name)
+    fine = so.SwapOptimizer(cls(params, **kwargs), swap_times=8, min_numel=0)
+    give_grads(0, params)
+    fine.step()
+    fine = fine.memory_stats()
+    budget = fine["peak_staging_bytes"] + fine["update_temporary_bytes"] + 1
+    a, b = make_params(name), make_params(name)
+    plain = cls(a, **kwargs)
+    swapped = so.SwapOptimizer(cls(b, **kwargs), staging_budget_bytes=budget, min_numel=0)
+    for step in range(4):
+        give_grads(step, a, b)
+        plain.step()
+        swapped.step()
+    stats = swapped.memory_stats()
+    assert stats["peak_staging_bytes"] + stats["update_temporary_bytes"] <= budget
+    assert stats["batches"] <= fine["batches"]
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
+    whole = "; params its rule never cuts move whole, the largest of 179200 elements" if name == "Muon" else ""
+    with pytest.raises(ValueError, match=f"staging_budget_bytes=1000 is too small for {name}: the smallest budget "
+                                         f"that works is \\d+ bytes .*{whole}"):
+        so.SwapOptimizer(cls(make_params(name), **kwargs), staging_budget_bytes=1000, min_numel=0)
+
+
 @pytest.mark.parametrize("setting,message", [
     (dict(state_dtype=torch.bfloat16), "state_dtype work\\(s\\) with Adam/AdamW only"),
     (dict(master_weights=True), "master_weights"),

@@ -96,6 +96,30 @@ runtime::StateLayout state_layout(const StateDeclaration& state) {
   return {runtime::StateKind::kWhole, unit_bytes, 1};
 }
 
+// Another optimizer's slots as the store plan sees them, and the names,
+// dtypes and shapes of their views.
+std::vector<runtime::SlotSpec> rule_slot_specs(const std::vector<at::Tensor>& params,
+                                               const std::vector<std::vector<StateDeclaration>>& states,
+                                               const std::vector<bool>& swappable,
+                                               const std::vector<bool>& splittable,
+                                               std::vector<std::vector<runtime::StateDescription>>* descriptions) {
+  TORCH_CHECK_VALUE(states.size() == params.size() && swappable.size() == params.size() &&
+                        splittable.size() == params.size(),
+                    "SwapRuntime: one list of states, one swappable and one splittable flag per param");
+  std::vector<runtime::SlotSpec> specs;
+  for (size_t i = 0; i < params.size(); ++i) {
+    runtime::SlotSpec& spec = specs.emplace_back(
+        runtime::SlotSpec{params[i].numel(), static_cast<bool>(swappable[i]), {}, static_cast<bool>(splittable[i])});
+    std::vector<runtime::StateDescription>* described =
+        descriptions != nullptr ? &descriptions->emplace_back() : nullptr;
+    for (const StateDeclaration& state : states[i]) {
+      spec.states.push_back(state_layout(state));
+      if (described != nullptr) described->push_back({std::get<0>(state), std::get<3>(state), std::get<4>(state)});
+    }
+  }
+  return specs;
+}
+
 // A Python update rule as the runtime calls it: it takes the GIL (the host
 // backend's update thread calls it too), and what it raises fails the batch
 // as a C++ error, so no Python object outlives the call. The function itself
@@ -162,21 +186,9 @@ void bind_runtime(py::module& module) {
                        const std::vector<bool>& swappable, const std::vector<bool>& splittable,
                        py::function update, int64_t swap_times, int64_t num_arenas, bool pin_memory,
                        bool keep_arenas, const std::vector<bool>& swap_keys) {
-             TORCH_CHECK_VALUE(states.size() == params.size() && swappable.size() == params.size() &&
-                                   splittable.size() == params.size(),
-                               "SwapRuntime: one list of states, one swappable and one splittable flag per param");
-             std::vector<runtime::SlotSpec> specs;
              std::vector<std::vector<runtime::StateDescription>> descriptions;
-             for (size_t i = 0; i < params.size(); ++i) {
-               runtime::SlotSpec& spec = specs.emplace_back(
-                   runtime::SlotSpec{params[i].numel(), static_cast<bool>(swappable[i]), {},
-                                     static_cast<bool>(splittable[i])});
-               std::vector<runtime::StateDescription>& described = descriptions.emplace_back();
-               for (const StateDeclaration& state : states[i]) {
-                 spec.states.push_back(state_layout(state));
-                 described.push_back({std::get<0>(state), std::get<3>(state), std::get<4>(state)});
-               }
-             }
+             std::vector<runtime::SlotSpec> specs =
+                 rule_slot_specs(params, states, swappable, splittable, &descriptions);
              return RuntimeHolder(new SwapRuntime(
                  std::move(params), std::move(specs), std::move(descriptions),
                  python_batch_update(std::move(update)),
@@ -350,6 +362,26 @@ void bind_runtime(py::module& module) {
       py::arg("master_weights"), py::arg("swap_keys"), py::arg("kahan_summation") = false,
       "The layout a SwapRuntime would use, without allocating it: host, staging and resident bytes, batches, "
       "split params and the batch plan. Params may be meta tensors (only numel and dtype are read).");
+
+  module.def(
+      "plan_rule_staging",
+      [](const std::vector<at::Tensor>& params, const std::vector<std::vector<StateDeclaration>>& states,
+         const std::vector<bool>& swappable, const std::vector<bool>& splittable, const std::vector<bool>& swap_keys,
+         int64_t swap_times, int64_t num_arenas) {
+        const RuntimeOptions options = make_options(swap_times, num_arenas, std::nullopt, false, true, false,
+                                                    swap_keys);
+        const std::vector<runtime::SlotSpec> specs = rule_slot_specs(params, states, swappable, splittable, nullptr);
+        const runtime::StorePlan plan = runtime::plan_store(specs, options.swap_keys, swap_times, 0);
+        py::dict summary;
+        summary["staging_bytes"] = runtime::staging_bytes_of(plan, num_arenas);
+        summary["finest_swap_times"] = runtime::finest_swap_times(specs);
+        summary["plan"] = batch_plan(plan);
+        return summary;
+      },
+      py::arg("params"), py::arg("states"), py::arg("swappable"), py::arg("splittable"), py::arg("swap_keys"),
+      py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"),
+      "As plan_staging, for another optimizer's states (declared as for SwapRuntime's second constructor): "
+      "its staging bytes, the finest swap_times and the batch plan, nothing allocated.");
 
   module.def(
       "smallest_swap_times_for_budget",
