@@ -18,8 +18,8 @@ import torch
 from . import _C
 from .config import SwapOptimizerConfig
 from .distributed import _is_dtensor, _like_param, _local, _local_part
-from .optimizer import SwapOptimizer, _check_distinct, _check_optimizer, _check_params
-from .overlap import _HANDLED_SIGNALS
+from .optimizer import SwapOptimizer, _check_distinct, _check_optimizer, _check_overlap_params, _check_params
+from .overlap import _HANDLED_SIGNALS, ForwardOverlap, capturing
 from .rules import (ELEMENT, REFUSED, SCALAR, WHOLE, Declaration, declaration_for, estimated_temporaries,
                     foreign_state_keys, run_torch_update, trusted_declaration)
 
@@ -27,8 +27,7 @@ from .rules import (ELEMENT, REFUSED, SCALAR, WHOLE, Declaration, declaration_fo
 def _refuse_settings(config: SwapOptimizerConfig, name: str) -> None:
     adam_only = [field for field, off in (("state_dtype", config.state_dtype is None),
                                           ("master_weights", not config.master_weights),
-                                          ("kahan_summation", not config.kahan_summation),
-                                          ("overlap_forward", not config.overlap_forward)) if not off]
+                                          ("kahan_summation", not config.kahan_summation)) if not off]
     if adam_only:
         raise ValueError(f"SwapOptimizer: {', '.join(adam_only)} work(s) with Adam/AdamW only for now, not with "
                          f"{name}; leave them at their defaults (GradScaler still works through its unscale_)")
@@ -208,17 +207,23 @@ class RuleSwapOptimizer(SwapOptimizer):
                 _check_optimizer(optimizer)  # raises, saying why (and which setting vouches for an optimizer)
             declaration = trusted_declaration(optimizer, self.config.trust_elementwise_step)
         _refuse_settings(self.config, name)
-        if model is not None:
-            raise ValueError("SwapOptimizer: model= is read only with overlap_forward=True (Adam/AdamW only for now); "
-                             "leave model= out")
         _check_groups(optimizer, declaration)
         all_params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device = _check_params(all_params, None)
         _check_distinct(all_params)
         _check_dtensor_params(all_params, declaration, name)
+        self._overlap = None
+        if self.config.overlap_forward:
+            if model is None:
+                raise ValueError("SwapOptimizer(overlap_forward=True) needs model=: the module whose forward uses the "
+                                 "params, so that its blocks can wait for their updates")
+            _check_overlap_params(all_params)
+            self._overlap = ForwardOverlap(self, model, all_params)
+        elif model is not None:
+            raise ValueError("SwapOptimizer: model= is read only with overlap_forward=True; add overlap_forward=True "
+                             "or leave model= out")
         self.declaration: Declaration = declaration
         self.optimizer = optimizer
-        self._overlap = None
         self._runtime = None
         self._rounding_seed = None
         self._learned: dict = {}
@@ -269,6 +274,9 @@ class RuleSwapOptimizer(SwapOptimizer):
         """Builds the store for the current params and their layouts, filled
         from `previous` (param -> its state as torch.optim holds it)."""
         params = self._params()
+        if self._overlap is not None:  # refused before anything is built: the old store stays whole
+            _check_overlap_params(params)
+            self._overlap.check_params(params)
         learned = None
         if self._learning:
             name = type(self.optimizer).__name__
@@ -333,6 +341,8 @@ class RuleSwapOptimizer(SwapOptimizer):
                         views[i][spec.name].copy_(_local_part(entry[spec.name], p))
                 shown[i] = True
         runtime.order_writes()
+        if self._overlap is not None:  # a new store: the next pass probes again
+            self._overlap.lay_out(params)
         self._runtime = runtime
         if learned is not None:
             self._learned = learned
@@ -456,7 +466,7 @@ class RuleSwapOptimizer(SwapOptimizer):
     def _kept_state(self) -> dict:
         """Copies of the state of every param the store was laid out for that is
         still in the groups (param -> entry), to fill a new store from."""
-        self._runtime.synchronize()
+        self._synchronize()
         by_id = {id(p): p for p in self._params()}
         return {by_id[pid]: _copied(self._entry(i)) for i, pid in enumerate(self._param_ids)
                 if self._shown[i] and pid in by_id}
@@ -468,10 +478,17 @@ class RuleSwapOptimizer(SwapOptimizer):
         self = self._itself
         self._refuse_inside_step("step")
         self._refuse_if_torn("step")
+        if capturing(self._device):
+            raise RuntimeError("SwapOptimizer.step() cannot be captured in a CUDA graph: it copies the state "
+                               "between host and device through its own streams. Capture the forward and backward "
+                               "only, and call step() outside the graph")
         loss = None
         if closure is not None:  # as torch.optim: evaluated once, before the update
             with torch.enable_grad():
                 loss = closure()
+        self.wait()  # after the closure, whose forward overlapped the last step
+        if self._overlap is not None:  # ends the pass since the last step (a probe's record becomes the plan)
+            self._overlap.end_pass()
         _check_groups(self.optimizer, self.declaration)
         amp = {name: value for name in ("grad_scale", "found_inf")
                if (value := getattr(self, name, None)) is not None}
@@ -499,6 +516,12 @@ class RuleSwapOptimizer(SwapOptimizer):
         # one at a time, to learn what they keep; the others go through the store.
         first = [i for i, grad in enumerate(grads) if grad is not None and self._learning and not self._shown[i]
                  and id(params[i]) not in self._stateless]
+        # overlap_forward: the step may run beside the next forward once the
+        # probe has made a plan, unless a param steps for the first time (its
+        # states and scalars appear during the step) or the optimizer is a
+        # vouched-for one (its group writes are checked when the step is done).
+        deferred = self._overlap is not None and self._overlap.may_defer() and not self._learning and all(
+            self._shown[i] or not self._layouts_now[i] for i, grad in enumerate(grads) if grad is not None)
         with _signals_after_the_step():  # raised once the step and its bookkeeping are done
             self._stepping = True
             try:
@@ -510,13 +533,19 @@ class RuleSwapOptimizer(SwapOptimizer):
                 self._scalars_before = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                                         for s in self._scalars]  # the kept tensors are the last piece's to write
                 streamed = [None if i in first else grad for i, grad in enumerate(grads)]
-                self._runtime.step([_local(p) for p in params], streamed, [], None, None, deferred=False)
+                if self._overlap is not None:
+                    self._overlap.before_step(deferred)
+                self._runtime.step([_local(p) for p in params], streamed, [], None, None, deferred=deferred)
+                if self._overlap is not None:
+                    self._overlap.after_step(deferred, self._runtime, streamed)
                 for g, writes in self._groups_after.items():  # the same from every call: the group's new values
                     # (a tensor copied again here: one made in a call is an inference tensor)
                     self.param_groups[g].update({k: v.clone() if torch.is_tensor(v) else v for k, v in writes.items()})
             finally:
                 self._stepping = False
-                self._step_groups = None
+                if self._overlap is not None:
+                    self._overlap.enqueuing = False  # its pass has begun, or step() raised
+                # (_step_groups and the scalars before stay: a deferred step's batches read them)
             state = self.__dict__["_state"]
             for i, grad in enumerate(grads):
                 if grad is not None and self._layouts_now[i]:  # SGD without momentum keeps no state, as in torch
@@ -707,7 +736,7 @@ class RuleSwapOptimizer(SwapOptimizer):
             changed.append(i)
         if not changed:
             return
-        self._runtime.synchronize()
+        self._synchronize()
         self._lay_out({p: _copied(state[p]) for p in params if state.get(p)})
 
     def _update_batch(self, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
@@ -793,7 +822,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         """The wrapped optimizer's own format: swapped states are the host
         tensors themselves, scalars as torch keeps them."""
         self = self._itself
-        self._runtime.synchronize()
+        self._synchronize()
         return torch.optim.Optimizer.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102  (torch.optim API)
@@ -802,7 +831,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         self = self._itself
         self._refuse_inside_step("load_state_dict")
         inner = self.optimizer
-        self._runtime.synchronize()
+        self._synchronize()
         saved_state, saved_groups = inner.state, inner.param_groups
         try:
             torch.optim.Optimizer.load_state_dict(inner, state_dict)  # torch's checks and casts; new groups

@@ -197,5 +197,16 @@ def test_another_optimizer_runs_the_main_job(tmp_path, capsys, optimizer):
 
 def test_adamw_only_bench_options_are_argument_errors(capsys):
     with pytest.raises(SystemExit):
-        main(["--quick", "--optimizer", "sgd", "--overlap"])
+        main(["--quick", "--optimizer", "sgd", "--state-modes", "bf16"])
     assert "work with --optimizer adamw only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--quick", "--optimizer", "muon", "--overlap"])
+    assert "--overlap does not run with --optimizer muon" in capsys.readouterr().err
+
+
+def test_another_optimizer_overlaps_too(tmp_path, capsys):
+    """--overlap with SGD: the overlapped twin of each swap mode, and the
+    loop-time comparison that shows what overlap gains."""
+    report, _ = run(tmp_path, "--optimizer", "sgd", "--swap-times", "2", "--num-arenas", "2", "--overlap")
+    assert [row["mode"] for row in report["modes"]] == ["resident", "swap s2 a2", "swap s2 a2 overlap"]
+    assert "loop vs resident" in capsys.readouterr().out

@@ -423,7 +423,7 @@ def test_a_staging_budget_picks_swap_times_counting_torchs_temporaries(name):
 @pytest.mark.parametrize("setting,message", [
     (dict(state_dtype=torch.bfloat16), "state_dtype work\\(s\\) with Adam/AdamW only"),
     (dict(master_weights=True), "master_weights"),
-    (dict(overlap_forward=True), "overlap_forward"),
+    (dict(kahan_summation=True), "kahan_summation"),
     (dict(state_keys=("exp_avg",)), "are not states of SGD here; its states are \\['momentum_buffer'\\]"),
 ])
 def test_adam_only_settings_are_refused(setting, message):

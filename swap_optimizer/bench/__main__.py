@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
                         "(kahan ones need --dtype bf16 or fp16; default: default)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
                    help="the optimizer every mode runs (default adamw; master weights, --state-modes other than "
-                        "default, --overlap and the torchao peer are AdamW's only)")
+                        "default and the torchao peer are AdamW's only; --overlap runs with all but muon)")
     p.add_argument("--warmup", type=_positive_int, default=3, help="untimed steps per mode")
     p.add_argument("--repeats", type=_positive_int, default=10, help="timed steps per mode (median; at least 10)")
     p.add_argument("--quick", action="store_true", help="the micro model, one warm-up step: about 30 s on a CPU")
@@ -112,8 +112,10 @@ def check_arguments(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--timeline writes a PNG: give a path ending in .png, got {args.timeline}")
     if args.repeats < 10 and not args.quick:
         p.error("--repeats must be at least 10: the step time is the median of at least 10 steps")
-    if args.optimizer != "adamw" and (args.overlap or args.state_modes != ("default",)):
-        p.error(f"--overlap and --state-modes work with --optimizer adamw only, not {args.optimizer}")
+    if args.optimizer != "adamw" and args.state_modes != ("default",):
+        p.error(f"--state-modes work with --optimizer adamw only, not {args.optimizer}")
+    if args.optimizer == "muon" and args.overlap:
+        p.error("--overlap does not run with --optimizer muon (Muon beside a resident AdamW); use another optimizer")
 
 
 def model_config(args, p: argparse.ArgumentParser) -> tuple[str, GPTConfig]:

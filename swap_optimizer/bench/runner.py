@@ -121,8 +121,8 @@ def torchao_offload_class():
 def make_modes(device: torch.device, dtype: torch.dtype, swap_times: list[int], num_arenas: list[int],
                states: tuple[str, ...] = ("default",), overlap: bool = False, optimizer: str = "adamw") -> list[Mode]:
     """Resident, then each swap setting (with overlap: followed by its
-    overlapped twin), then peers. Master weights, compact states, overlap and
-    the torchao peer are AdamW's only."""
+    overlapped twin), then peers. Master weights, compact states and the
+    torchao peer are AdamW's only."""
     adamw = optimizer == "adamw"
     modes = [Mode("resident", "resident", optimizer=optimizer)]
     for state in states:

@@ -1,0 +1,84 @@
+"""overlap_forward=True with optimizers other than Adam/AdamW: torch's own
+update (a Python rule; on the host backend the update thread runs it under the
+GIL while the main thread runs the next forward) is bitwise the run without
+overlap, over the same loops as tests/test_overlap.py, with random copy and
+compute delays so that a missed wait would change bits."""
+
+import pytest
+import torch
+
+import swap_optimizer as so
+from conftest import DEVICES
+from test_overlap import assert_bitwise, build, snapshot, train
+from test_trusted_optimizers import Lion
+
+OPTIMIZERS = {
+    "SGD": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01),
+    "SGD-foreach-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, foreach=True),
+    "NAdam": lambda ps: torch.optim.NAdam(ps, lr=3e-3, weight_decay=0.01),
+    "Adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+    "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, centered=True),
+}
+
+
+def make(model, name, overlap, **fields):
+    extra = dict(model=model, overlap_forward=True) if overlap else {}
+    optimizer = so.SwapOptimizer(OPTIMIZERS[name](model.parameters()), swap_times=6, num_arenas=3, min_numel=0,
+                                 **fields, **extra)
+    if overlap:
+        optimizer._set_test_hooks(copy_delay_us=300, compute_delay_us=300, seed=5)
+    return optimizer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("feature", ["plain", "scheduler", "clip", "accumulation", "read_after_wait"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_overlap_trains_bitwise_like_without(name, feature, device):
+    device = torch.device(device)
+    runs = []
+    for overlap in (False, True):
+        model = build(device)
+        optimizer = make(model, name, overlap)
+        logged = train(model, optimizer, 5, device, feature)
+        if overlap:  # the steps after the probe ran beside the next forward
+            assert optimizer._overlap.plan is not None and optimizer._overlap._last_step_deferred
+        runs.append((logged, snapshot(model, optimizer)))
+    (logged_off, snap_off), (logged_on, snap_on) = runs
+    assert len(logged_off) == len(logged_on)
+    for a, b in zip(logged_off, logged_on):
+        assert torch.equal(a, b), f"{name} {feature}: logged values differ"
+    assert_bitwise(snap_off, snap_on)
+
+
+def test_the_waits_are_what_keeps_it_right():
+    """The check above can fail: with the waits switched off, the overlapped
+    SGD run differs from the plain one."""
+    device = torch.device("cpu")
+    model, plain_model = build(device), build(device)
+    optimizer = make(model, "SGD", True)
+    optimizer._set_test_hooks(copy_delay_us=4000, compute_delay_us=300, seed=5)
+    plain = make(plain_model, "SGD", False)
+    optimizer._overlap.knocked_out = set(range(len(list(model.parameters()))))
+    optimizer._overlap.unguarded = {"ops"}
+    logged = train(model, optimizer, 5, device, "plain")
+    logged_plain = train(plain_model, plain, 5, device, "plain")
+    optimizer.wait()
+    assert any(not torch.equal(a, b) for a, b in zip(logged, logged_plain))
+
+
+def test_a_vouched_for_optimizer_steps_whole_and_bitwise():
+    """A vouched-for optimizer's group writes are checked when its step is
+    done, so its steps complete inside step(): bitwise, no overlap."""
+    device = torch.device("cpu")
+    runs = []
+    for overlap in (False, True):
+        model = build(device)
+        extra = dict(model=model, overlap_forward=True) if overlap else {}
+        optimizer = so.SwapOptimizer(Lion(model.parameters()), trust_per_param_step=True, swap_times=6, min_numel=0,
+                                     **extra)
+        logged = train(model, optimizer, 4, device, "plain")
+        if overlap:
+            assert not optimizer._overlap._last_step_deferred
+        runs.append((logged, snapshot(model, optimizer)))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert_bitwise(runs[0][1], runs[1][1])
