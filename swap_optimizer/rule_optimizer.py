@@ -348,6 +348,7 @@ class RuleSwapOptimizer(SwapOptimizer):
             self._learned = learned
         self._keys = keys
         self._swap_keys = swap_keys
+        self._state_rows = states
         self._layouts_now = layouts
         self._views = views
         # What `state` shows: DTensors over the store's views for DTensor params
@@ -371,7 +372,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         def need(swap_times: int) -> tuple[int, int, int]:
             summary = _C.plan_rule_staging(params, states, swappable, splittable, swap_keys,
                                            swap_times=swap_times, num_arenas=num_arenas)
-            staging, temporaries = summary["staging_bytes"], self._temporaries_of(summary["plan"])
+            staging, temporaries = summary["staging_bytes"], self._temporaries_of(summary["plan"], states)
             return staging + temporaries, staging, summary["finest_swap_times"]
 
         finest = need(1)[2]
@@ -492,8 +493,12 @@ class RuleSwapOptimizer(SwapOptimizer):
         _check_groups(self.optimizer, self.declaration)
         amp = {name: value for name in ("grad_scale", "found_inf")
                if (value := getattr(self, name, None)) is not None}
-        if amp:
-            _unscales_in_step(self.optimizer, self.declaration, True)  # every group still fused
+        not_fused = [g for g, group in enumerate(self.param_groups) if not group.get("fused")]
+        if amp and (not self.declaration.takes_grad_scale or not_fused):
+            raise ValueError(f"SwapOptimizer: GradScaler handed step() its scale and inf flag (unscale_in_step), "
+                             f"but param group(s) {not_fused} of {type(self.optimizer).__name__} are not fused=True "
+                             "(any more), and only torch's fused SGD and Adagrad take them: set fused=True there, or "
+                             "wrap with unscale_in_step=False")
         self._grad_scale = amp
         self._follow()
         params = self._params()
@@ -793,7 +798,8 @@ class RuleSwapOptimizer(SwapOptimizer):
         for index, last, piece, views in rows:
             entry = state[piece]
             kept = {spec.name for spec in self._layouts_now[index]}
-            if self._had_state[index] and set(entry) != kept:
+            # (a vouched-for param that kept nothing at its first update must keep nothing still)
+            if (self._had_state[index] or self._learning) and set(entry) != kept:
                 raise RuntimeError(f"SwapOptimizer: {name}'s step left param {index} with states {sorted(entry)}, but "
                                    f"{source} {sorted(kept)}: SwapOptimizer keeps a param's states from its first "
                                    "update on, as torch.optim does. This optimizer cannot be wrapped; keep its state "
@@ -883,19 +889,28 @@ class RuleSwapOptimizer(SwapOptimizer):
         staged states, for the largest batch: per call (one per group, run one
         after another) foreach intermediates, Newton-Schulz products, ...
         (rules.Declaration.temporaries). It comes on top of staging_bytes."""
-        return self._temporaries_of(self._plan)
+        return self._temporaries_of(self._plan, self._state_rows)
 
-    def _temporaries_of(self, plan: list[dict]) -> int:
+    def _temporaries_of(self, plan: list[dict], states: list) -> int:
+        """The largest call's estimate over `plan`, whose params keep the
+        states `states` (per param, the store's (key, kind, unit bytes, dtype,
+        shape) rows), counting their creation at a first step."""
         params = self._params()
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         largest = 0
         for batch in plan:
             rows_by_group: dict[int, list] = {}
+            new_state_bytes: dict[int, int] = {}
             for index, offset, count in batch["pieces"]:
                 local = _local(params[index])
-                shape = tuple(local.shape) if count == local.numel() else (count,)
-                rows_by_group.setdefault(group_of[index], []).append((shape, local.element_size()))
+                whole = count == local.numel()
+                g = group_of[index]
+                rows_by_group.setdefault(g, []).append((tuple(local.shape) if whole else (count,),
+                                                        local.element_size()))
+                new_state_bytes[g] = new_state_bytes.get(g, 0) + sum(
+                    unit * count if kind == "element" else unit if whole else 0
+                    for _, kind, unit, _, _ in states[index])
             for g, rows in rows_by_group.items():
                 largest = max(largest, estimated_temporaries(self.declaration, rows, self.param_groups[g],
-                                                             _local(params[0]).device))
+                                                             _local(params[0]).device, new_state_bytes[g]))
         return largest

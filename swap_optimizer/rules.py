@@ -66,14 +66,16 @@ class Declaration:
         return type(optimizer) in self.classes
 
 
+# Rows below: (shape, element bytes) of the params or pieces of one call.
 def _elementwise_temporaries(rows, group, foreach):
-    """torch's foreach path makes about two batch-sized lists of
-    intermediates (weight decay, nesterov, denominators), its for-loop about
-    two of one param at a time; its fused kernels none."""
+    """torch's foreach path keeps up to three batch-sized lists of
+    intermediates (weight decay, nesterov, denominators: Adadelta's three),
+    its for-loop up to three of one param at a time (NAdam, RAdam, Rprop);
+    its fused kernels none."""
     if group.get("fused"):
         return 0
     sizes = [math.prod(shape) * element for shape, element in rows]
-    return 2 * (sum(sizes) if foreach else max(sizes, default=0))
+    return 3 * (sum(sizes) if foreach else max(sizes, default=0))
 
 
 def _muon_temporaries(rows, group, foreach):
@@ -90,11 +92,16 @@ def _adafactor_temporaries(rows, group, foreach):
     return 3 * max((math.prod(shape) * element for shape, element in rows), default=0)
 
 
-def estimated_temporaries(declaration: "Declaration", rows: list, group: dict, device: torch.device) -> int:
+def estimated_temporaries(declaration: "Declaration", rows: list, group: dict, device: torch.device,
+                          new_state_bytes: int) -> int:
+    """What one call of torch's update allocates on the device beyond the
+    staged states: the declaration's estimate, plus new_state_bytes (at a
+    param's first step torch makes its states on the device, and they are
+    copied into the arena after the call)."""
     foreach = group.get("foreach")
     if foreach is None:  # torch's default: foreach on CUDA, the for-loop on the CPU
         foreach = device.type == "cuda"
-    return (declaration.temporaries or _elementwise_temporaries)(rows, group, bool(foreach))
+    return (declaration.temporaries or _elementwise_temporaries)(rows, group, bool(foreach)) + new_state_bytes
 
 
 def _elements(*names: str) -> list[StateSpec]:

@@ -544,3 +544,40 @@ def test_states_that_change_later_tear_the_batch():
         swapped.step()
     with pytest.raises(RuntimeError, match="partly updated; step\\(\\) refuses"):
         swapped.step()
+
+
+class MomentumAfterWarmup(torch.optim.Optimizer):
+    """Keeps no state for its first three steps (a warm-up counted in its
+    group), then a momentum buffer."""
+
+    def __init__(self, params):
+        super().__init__(params, dict(lr=1e-3))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["seen"] = group.get("seen", 0) + 1
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["seen"] > 3:
+                    self.state[p].setdefault("buf", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                    p.add_(self.state[p]["buf"], alpha=-group["lr"])
+                else:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+def test_a_state_made_after_a_stateless_start_tears_the_batch():
+    """Learned as stateless at its first update, a param that later gets a
+    state cannot keep it: that step raises and its batch is torn, never a
+    state silently thrown away."""
+    params = make_params()
+    swapped = so.SwapOptimizer(MomentumAfterWarmup(params), trust_per_param_step=True, swap_times=4, min_numel=0)
+    for step in range(3):
+        give_grads(step, params)
+        swapped.step()
+    give_grads(3, params)
+    with pytest.raises(RuntimeError, match="left param 0 with states \\['buf'\\], but it kept at its first update \\[\\]"):
+        swapped.step()
+    with pytest.raises(RuntimeError, match="partly updated; step\\(\\) refuses"):
+        swapped.step()
