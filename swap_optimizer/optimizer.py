@@ -147,6 +147,22 @@ def _check_overlap_params(params: list[torch.Tensor]) -> None:
                          "them before their update. Use overlap_forward=False with DTensor params")
 
 
+def _forward_overlap(optimizer: "SwapOptimizer", model: Optional[torch.nn.Module],
+                     params: list[torch.Tensor]) -> Optional[ForwardOverlap]:
+    """The overlap of the next forward with the step that overlap_forward=True
+    asks for (None without it), checking model= and the params."""
+    if optimizer.config.overlap_forward:
+        if model is None:
+            raise ValueError("SwapOptimizer(overlap_forward=True) needs model=: the module whose forward uses the "
+                             "params, so that its blocks can wait for their updates")
+        _check_overlap_params(params)
+        return ForwardOverlap(optimizer, model, params)
+    if model is not None:
+        raise ValueError("SwapOptimizer: model= is read only with overlap_forward=True; add overlap_forward=True "
+                         "or leave model= out")
+    return None
+
+
 class SwapOptimizer(torch.optim.Optimizer):
     """Adam/AdamW whose state lives in host memory between steps.
 
@@ -221,16 +237,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         all_params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device = _check_params(all_params, None)
         _check_distinct(all_params)
-        self._overlap = None
-        if self.config.overlap_forward:
-            if model is None:
-                raise ValueError("SwapOptimizer(overlap_forward=True) needs model=: the module whose forward uses the "
-                                 "params, so that its blocks can wait for their updates")
-            _check_overlap_params(all_params)
-            self._overlap = ForwardOverlap(self, model, all_params)
-        elif model is not None:
-            raise ValueError("SwapOptimizer: model= is read only with overlap_forward=True; add overlap_forward=True "
-                             "or leave model= out")
+        self._overlap = _forward_overlap(self, model, all_params)
         self.optimizer = optimizer
         self._runtime = None
         self._rounding_seed = None

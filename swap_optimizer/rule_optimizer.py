@@ -18,8 +18,9 @@ import torch
 from . import _C
 from .config import SwapOptimizerConfig
 from .distributed import _is_dtensor, _like_param, _local, _local_part
-from .optimizer import SwapOptimizer, _check_distinct, _check_optimizer, _check_overlap_params, _check_params
-from .overlap import _HANDLED_SIGNALS, ForwardOverlap, capturing
+from .optimizer import (SwapOptimizer, _check_distinct, _check_optimizer, _check_overlap_params, _check_params,
+                        _forward_overlap)
+from .overlap import _HANDLED_SIGNALS, capturing
 from .rules import (ELEMENT, REFUSED, SCALAR, WHOLE, Declaration, declaration_for, estimated_temporaries,
                     foreign_state_keys, run_torch_update, trusted_declaration)
 
@@ -212,16 +213,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._device = _check_params(all_params, None)
         _check_distinct(all_params)
         _check_dtensor_params(all_params, declaration, name)
-        self._overlap = None
-        if self.config.overlap_forward:
-            if model is None:
-                raise ValueError("SwapOptimizer(overlap_forward=True) needs model=: the module whose forward uses the "
-                                 "params, so that its blocks can wait for their updates")
-            _check_overlap_params(all_params)
-            self._overlap = ForwardOverlap(self, model, all_params)
-        elif model is not None:
-            raise ValueError("SwapOptimizer: model= is read only with overlap_forward=True; add overlap_forward=True "
-                             "or leave model= out")
+        self._overlap = _forward_overlap(self, model, all_params)
         self.declaration: Declaration = declaration
         self.optimizer = optimizer
         self._runtime = None

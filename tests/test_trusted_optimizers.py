@@ -533,19 +533,6 @@ def test_a_step_that_removes_a_group_key_is_refused_and_changes_nothing():
     assert all(same_bits(p, q) for p, q in zip(params, before)) and swapped.param_groups[0]["note"] == "kept"
 
 
-def test_states_that_change_later_tear_the_batch():
-    params = make_params()
-    swapped = so.SwapOptimizer(StateAtTheThirdUpdate(params), trust_per_param_step=True, swap_times=4, min_numel=0)
-    for step in range(2):
-        give_grads(step, params)
-        swapped.step()
-    give_grads(2, params)
-    with pytest.raises(RuntimeError, match="left param 0 with states \\['exp_avg', 'late', 'updates'\\]"):
-        swapped.step()
-    with pytest.raises(RuntimeError, match="partly updated; step\\(\\) refuses"):
-        swapped.step()
-
-
 class MomentumAfterWarmup(torch.optim.Optimizer):
     """Keeps no state for its first three steps (a warm-up counted in its
     group), then a momentum buffer."""
@@ -567,17 +554,22 @@ class MomentumAfterWarmup(torch.optim.Optimizer):
                     p.add_(p.grad.sign(), alpha=-group["lr"])
 
 
-def test_a_state_made_after_a_stateless_start_tears_the_batch():
-    """Learned as stateless at its first update, a param that later gets a
-    state cannot keep it: that step raises and its batch is torn, never a
-    state silently thrown away."""
+@pytest.mark.parametrize("make, steps, message", [
+    (StateAtTheThirdUpdate, 2, "left param 0 with states \\['exp_avg', 'late', 'updates'\\]"),
+    # learned as stateless at its first update, a param that later gets a
+    # state cannot keep it: never a state silently thrown away
+    (MomentumAfterWarmup, 3, "left param 0 with states \\['buf'\\], but it kept at its first update"),
+])
+def test_states_that_change_later_tear_the_batch(make, steps, message):
+    """States that change past the probe's two updates: that step raises and
+    its batch is torn (the next step refuses until a load)."""
     params = make_params()
-    swapped = so.SwapOptimizer(MomentumAfterWarmup(params), trust_per_param_step=True, swap_times=4, min_numel=0)
-    for step in range(3):
+    swapped = so.SwapOptimizer(make(params), trust_per_param_step=True, swap_times=4, min_numel=0)
+    for step in range(steps):
         give_grads(step, params)
         swapped.step()
-    give_grads(3, params)
-    with pytest.raises(RuntimeError, match="left param 0 with states \\['buf'\\], but it kept at its first update \\[\\]"):
+    give_grads(steps, params)
+    with pytest.raises(RuntimeError, match=message):
         swapped.step()
     with pytest.raises(RuntimeError, match="partly updated; step\\(\\) refuses"):
         swapped.step()
