@@ -82,3 +82,44 @@ def test_a_vouched_for_optimizer_steps_whole_and_bitwise():
         runs.append((logged, snapshot(model, optimizer)))
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
     assert_bitwise(runs[0][1], runs[1][1])
+
+
+def test_muon_beside_adamw_both_overlapped():
+    """Muon for the hidden matrices and AdamW for the rest, two SwapOptimizers
+    overlapping the same model's forward: bitwise the loop without overlap.
+    Without overlap each step releases its arenas before the next one runs
+    (peak staging: the larger of the two); with it both steps hold theirs
+    until the forward has waited for them (peak: the sum)."""
+    def run(overlap):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                                    torch.nn.GELU(), torch.nn.LayerNorm(256), torch.nn.Linear(256, 8))
+        hidden = [model[0].weight, model[2].weight]
+        rest = [p for p in model.parameters() if all(p is not q for q in hidden)]
+        extra = dict(model=model, overlap_forward=True) if overlap else {}
+        optimizers = [so.SwapOptimizer(torch.optim.Muon(hidden, lr=0.02), swap_times=2, min_numel=0, **extra),
+                      so.SwapOptimizer(torch.optim.AdamW(rest, lr=1e-3), swap_times=2, min_numel=0, **extra)]
+        if overlap:
+            for optimizer in optimizers:
+                optimizer._set_test_hooks(copy_delay_us=300, compute_delay_us=300, seed=3)
+        losses, held = [], []
+        for step in range(6):
+            x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            for optimizer in optimizers:
+                optimizer.step()
+            held.append([optimizer.memory_stats()["staging_bytes"] for optimizer in optimizers])
+        for optimizer in optimizers:
+            optimizer.wait()
+        return losses, [p.detach().clone() for p in model.parameters()], held
+
+    losses_off, params_off, held_off = run(False)
+    losses_on, params_on, held_on = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(losses_off, losses_on))
+    assert all(torch.equal(a, b) for a, b in zip(params_off, params_on))
+    assert all(held == [0, 0] for held in held_off)
+    assert all(muon > 0 and adamw > 0 for muon, adamw in held_on[1:])  # after the probe step: both at once
