@@ -341,6 +341,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._keys = keys
         self._swap_keys = swap_keys
         self._state_rows = states
+        self._moves_whole = [swap and not cut for swap, cut in zip(swappable, splittable)]
         self._layouts_now = layouts
         self._views = views
         # What `state` shows: DTensors over the store's views for DTensor params
@@ -869,11 +870,19 @@ class RuleSwapOptimizer(SwapOptimizer):
         host_state_bytes 0 means nothing is swapped (an optimizer that keeps no
         state for its params, such as SGD without momentum). Also
         update_temporary_bytes: an estimate of what torch's update allocates
-        on the device beyond the staged states, for the largest batch."""
+        on the device beyond the staged states, for the largest batch; and
+        largest_whole_param_state_bytes: the swapped states of the largest
+        param the rule never cuts (Muon, Adafactor, a whole state), which
+        every arena holds at least."""
         itself = self._itself
         stats = itself._runtime.memory_stats()
         stats["swapped_state_keys"] = [k for k, swapped in zip(itself._keys, itself._swap_keys) if swapped]
         stats["update_temporary_bytes"] = itself._update_temporaries()
+        params = itself._params()
+        stats["largest_whole_param_state_bytes"] = max(
+            (sum(unit * _local(params[i]).numel() if kind == "element" else unit
+                 for (_, kind, unit, _, _), swapped in zip(rows, itself._swap_keys) if swapped)
+             for i, rows in enumerate(itself._state_rows) if itself._moves_whole[i]), default=0)
         return stats
 
     def _update_temporaries(self) -> int:

@@ -253,6 +253,20 @@ def test_memory_stats_estimate_torchs_temporaries():
     assert muon == 6 * 256 * 700 + 4 * 256 ** 2 + 256 * 700 * 4 + 256 * 700 * 4
 
 
+@pytest.mark.parametrize("name, largest", [("SGD", 0), ("Muon", 256 * 700 * 4), ("Adafactor", 70000 * 4)])
+def test_memory_stats_name_the_largest_param_that_moves_whole(name, largest):
+    """Muon's and Adafactor's params are never cut: memory_stats says how much
+    state the largest of them stages, and the arenas hold at least that."""
+    kwargs = dict(next(k for n, k in CASES if n == name))
+    params = make_params(name)
+    swapped = so.SwapOptimizer(getattr(torch.optim, name)(params, **kwargs), swap_times=16, min_numel=0)
+    give_grads(0, params)
+    swapped.step()
+    stats = swapped.memory_stats()
+    assert stats["largest_whole_param_state_bytes"] == largest
+    assert stats["peak_staging_bytes"] >= 2 * largest
+
+
 @requires_cuda
 @pytest.mark.parametrize("name,kwargs", [("SGD", dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
                                          ("NAdam", dict(weight_decay=0.01)), ("Adafactor", dict()), ("Muon", dict())])
