@@ -11,7 +11,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import swap_optimizer as so
 from conftest import DEVICES
-from test_rules import bits, give_grads, same_bits
+from test_rules import assert_same_state, bits, give_grads, same_bits
 
 SHAPES = [(256, 700), (70000,), (64, 300), (5,)]  # the first two are large enough to be cut into pieces
 
@@ -90,13 +90,8 @@ def run_pair(make, steps=6, device="cpu", dtype=torch.float32, **settings):
         swapped.step()
     for p, q in zip(a, b):
         assert same_bits(p, q)
-    ours, theirs = swapped.state_dict(), plain.state_dict()
-    assert ours["param_groups"] == theirs["param_groups"]
-    for index, entry in theirs["state"].items():
-        assert ours["state"][index].keys() == entry.keys()
-        for key, value in entry.items():
-            mine = ours["state"][index][key]
-            assert same_bits(mine, value) if torch.is_tensor(value) else mine == value, (index, key)
+    assert swapped.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
+    assert_same_state(plain, swapped)
     return plain, swapped
 
 
@@ -391,8 +386,15 @@ def test_a_failure_after_the_first_updates_changes_nothing():
     assert not swapped.state
 
 
-class LateState(Lion):
-    """Adds a state at a param's second update."""
+class StateAtUpdate(Lion):
+    """Counts each param's updates in its state, and adds state `key` at
+    update `at` (new_state gives its value)."""
+
+    at, key = 2, "ema"
+
+    @staticmethod
+    def new_state(p):
+        return p.detach().clone()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -401,8 +403,8 @@ class LateState(Lion):
             for p in group["params"]:
                 state = self.state[p]
                 state["updates"] = state.get("updates", 0) + 1
-                if state["updates"] == 2:
-                    state["ema"] = p.detach().clone()
+                if state["updates"] == self.at:
+                    state[self.key] = self.new_state(p)
 
 
 class GroupTensorCounter(Lion):
@@ -425,7 +427,7 @@ class AttributeTensorCounter(Lion):
 
 
 @pytest.mark.parametrize("make, message", [
-    (LateState, "states change after a param's first update \\(\\['exp_avg', 'updates'\\], then \\['ema', "),
+    (StateAtUpdate, "states change after a param's first update \\(\\['exp_avg', 'updates'\\], then \\['ema', "),
     (AttributeTensorCounter, "changed the optimizer's attribute\\(s\\) \\['counter'\\] in place"),
 ])
 def test_what_the_probe_sees_over_two_updates_is_refused(make, message):
@@ -506,19 +508,15 @@ class RemovesGroupKey(Lion):
         super().step(closure)
 
 
-class StateAtTheThirdUpdate(Lion):
-    """A state that appears only at a param's third update: past the probe's
-    two, found in the pipeline."""
+class StateAtTheThirdUpdate(StateAtUpdate):
+    """A 'late' state that appears only at a param's third update: past the
+    probe's two, found in the pipeline."""
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        super().step(closure)
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                state["updates"] = state.get("updates", 0) + 1
-                if state["updates"] == 3:
-                    state["late"] = 0
+    at, key = 3, "late"
+
+    @staticmethod
+    def new_state(p):
+        return 0
 
 
 def test_a_step_that_removes_a_group_key_is_refused_and_changes_nothing():
