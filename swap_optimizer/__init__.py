@@ -16,12 +16,13 @@ except ImportError as error:
             "directory). Run from another directory, or with `python -P` (Python 3.11+), or install here with "
             "`pip install --no-build-isolation .`") from error
     raise
+from .budget import StepCostModel
 from .compact import dequantize_state_dict
 from .config import STATE_KEYS, SwapOptimizerConfig
 from .ops import LAYOUT_COLUMNS, fused_adam_packed, plan_packed_layout
 from .optimizer import SwapOptimizer
 
-__all__ = ["SwapOptimizer", "SwapOptimizerConfig", "STATE_KEYS", "built_with_cuda", "fused_adam_packed",
+__all__ = ["SwapOptimizer", "SwapOptimizerConfig", "StepCostModel", "STATE_KEYS", "built_with_cuda", "fused_adam_packed",
            "plan_packed_layout", "LAYOUT_COLUMNS", "dequantize_state_dict"]
 
 

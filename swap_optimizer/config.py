@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 import torch
 
+from .budget import StepCostModel
+
 # The states Adam/AdamW keep per param, plus the optional fp32 master copy and
 # Kahan compensation buffer. (8-bit moments keep their codes and scales where
 # the moment's key says.)
@@ -33,6 +35,7 @@ class SwapOptimizerConfig:
 
     swap_times: batches per step; each batch's states pass through a staging
         arena, so staging memory is about num_arenas / swap_times of the state.
+        None: 16, or the device budget's choice.
     state_keys: which states go to host memory (None: all the optimizer keeps;
         Adam/AdamW's are STATE_KEYS, another optimizer's are its own state
         names, such as SGD's momentum_buffer); the others stay on the device.
@@ -40,6 +43,7 @@ class SwapOptimizerConfig:
     min_numel: params with fewer elements keep their state on the device.
     num_arenas: staging arenas on the device (>= 2); with 3 or more, copies in
         and out run on separate streams, both directions of the link at once.
+        None: 2, or the device budget's choice.
     state_dtype: how the moments are stored. None: in the param's dtype, as
         torch does; torch.float32: fp32 for 16-bit params; torch.bfloat16: bf16,
         rounded stochastically (see rounding_seed); torch.uint8: blockwise 8-bit
@@ -57,7 +61,18 @@ class SwapOptimizerConfig:
     pin_memory: page-locked host memory (falls back to pageable with a warning).
     keep_arenas: keep the staging arenas allocated between steps.
     staging_budget_bytes: when set, swap_times becomes the smallest count whose
-        arenas fit in this many bytes (swap_times is then ignored).
+        arenas fit in this many bytes (exclusive with swap_times). With
+        device_budget_bytes: a cap on the staging part of the budget.
+    device_budget_bytes: the device bytes the optimizer's states may take in
+        all: the resident store (min_numel and state_keys residents too), the
+        staging arenas and step table, torch's update temporaries (other
+        optimizers than Adam), contiguous copies of strided params and grads,
+        and GradScaler's clones, each rounded as torch's allocator rounds. The
+        planner keeps resident, per param in param order, the state that fits
+        beside the staging, and chooses swap_times and num_arenas (unless
+        given) for the least predicted step time (see plan_report()).
+    cost_model: the StepCostModel the planner predicts step times with; None:
+        StepCostModel.for_device (the link measured once per process).
     unscale_in_step: whether GradScaler hands step() its scale and inf flag
         to unscale and skip on the device (no host sync per step), as for
         torch's fused AdamW. None follows the wrapped optimizer (fused=True:
@@ -79,10 +94,10 @@ class SwapOptimizerConfig:
         Needs trust_per_param_step=True.
     """
 
-    swap_times: int = 16
+    swap_times: Optional[int] = None
     state_keys: Optional[tuple[str, ...]] = None
     min_numel: int = 1024
-    num_arenas: int = 2
+    num_arenas: Optional[int] = None
     state_dtype: Optional[torch.dtype] = None
     master_weights: bool = False
     kahan_summation: bool = False
@@ -94,11 +109,15 @@ class SwapOptimizerConfig:
     overlap_forward: bool = False
     trust_per_param_step: bool = False
     trust_elementwise_step: bool = False
+    device_budget_bytes: Optional[int] = None
+    cost_model: Optional[StepCostModel] = None
 
     def __post_init__(self) -> None:
-        _check_int("swap_times", self.swap_times, 1)
+        if self.swap_times is not None:
+            _check_int("swap_times", self.swap_times, 1)
         _check_int("min_numel", self.min_numel, 0)
-        _check_int("num_arenas", self.num_arenas, 2)
+        if self.num_arenas is not None:
+            _check_int("num_arenas", self.num_arenas, 2)
         for name in ("master_weights", "kahan_summation", "pin_memory", "keep_arenas", "overlap_forward",
                      "trust_per_param_step", "trust_elementwise_step"):
             _check_bool(name, getattr(self, name))
@@ -121,6 +140,14 @@ class SwapOptimizerConfig:
                                  "set state_dtype=torch.bfloat16 or drop rounding_seed")
         if self.staging_budget_bytes is not None:
             _check_int("staging_budget_bytes", self.staging_budget_bytes, 1)
+            if self.swap_times is not None and self.device_budget_bytes is None:
+                raise ValueError("SwapOptimizerConfig: staging_budget_bytes chooses swap_times; set one of "
+                                 "swap_times and staging_budget_bytes")
+        if self.device_budget_bytes is not None:
+            _check_int("device_budget_bytes", self.device_budget_bytes, 1)
+        if self.cost_model is not None and not isinstance(self.cost_model, StepCostModel):
+            raise ValueError("SwapOptimizerConfig.cost_model must be None or a swap_optimizer.StepCostModel, got "
+                             f"{self.cost_model!r}")
         if self.unscale_in_step is not None:
             _check_bool("unscale_in_step", self.unscale_in_step)
         if self.state_keys is not None:
@@ -147,6 +174,16 @@ class SwapOptimizerConfig:
         values = {f.name: getattr(config, f.name) for f in fields(cls)} if config is not None else {}
         values.update(overrides)
         return cls(**values)
+
+    @property
+    def fixed_swap_times(self) -> int:
+        """swap_times where no budget chooses it."""
+        return 16 if self.swap_times is None else self.swap_times
+
+    @property
+    def fixed_num_arenas(self) -> int:
+        """num_arenas where no budget chooses it."""
+        return 2 if self.num_arenas is None else self.num_arenas
 
     def check_adam_state_keys(self) -> None:
         """state_keys names only Adam/AdamW's states."""

@@ -16,6 +16,7 @@ import torch
 
 from . import _C
 from .compact import FORMAT_KEY, MIN_QUANTIZED_NUMEL, MOMENTS, code_map, state_format
+from .budget import Planning, budget_stats, copy_bytes
 from .config import SwapOptimizerConfig
 from .distributed import (_check_fsdp_8bit, _global_offset, _is_dtensor, _like_param, _local,
                           _shared_default_seed, _sharded_scales)
@@ -355,20 +356,50 @@ class SwapOptimizer(torch.optim.Optimizer):
                     _check_fsdp_8bit(p, f"SwapOptimizer: param {i}")
             # On the whole param (a DTensor's numel), so every rank's shard of it agrees.
             quantized_params = [p.numel() >= MIN_QUANTIZED_NUMEL for p in params]
-        swap_times = self.config.swap_times
-        if self.config.staging_budget_bytes is not None:
+        lay_out_as = functools.partial(_C.plan_staging, local_params, group_of_param, group_amsgrad,
+                                       master_weights=self.config.master_weights, swap_keys=swap_keys,
+                                       kahan_summation=self.config.kahan_summation)
+
+        state_dtype = self.config.state_dtype  # (the closures keep no reference to this optimizer)
+
+        def lay_out(swappable: list[bool], swap_times: int, num_arenas: int) -> dict:
+            return lay_out_as(swappable, swap_times=swap_times, num_arenas=num_arenas, state_dtype=state_dtype,
+                              quantized_params=quantized_params)
+
+        def advice(chosen, cost_model) -> list[str]:
+            """Compact states the user may opt into, with what they would move
+            and the predicted step: advice only, as they change the numerics."""
+            lines = []
+            for dtype in (torch.bfloat16, torch.uint8):
+                if state_dtype == dtype:
+                    continue
+                quantized = [p.numel() >= MIN_QUANTIZED_NUMEL for p in params] if dtype == torch.uint8 else []
+                summary = lay_out_as(chosen.swappable, swap_times=chosen.swap_times, num_arenas=chosen.num_arenas,
+                                     state_dtype=dtype, quantized_params=quantized)
+                seconds = cost_model.predict(summary, chosen.num_arenas)["seconds"]
+                lines.append(f"state_dtype={dtype} would move {summary['moved_bytes']} bytes each way (now "
+                             f"{chosen.summary['moved_bytes']}), predicted step {seconds * 1e3:.3f} ms; it changes "
+                             "the numerics, so it is yours to opt into (docs/usage.md, 'Compact states')")
+            return lines
+
+        def staging_budget_swap_times() -> int:
             swap_times, smallest = _C.smallest_swap_times_for_budget(
                 local_params, group_of_param, group_amsgrad, swappable, state_dtype=self.config.state_dtype,
                 master_weights=self.config.master_weights, swap_keys=swap_keys,
-                num_arenas=self.config.num_arenas, budget_bytes=self.config.staging_budget_bytes,
+                num_arenas=self.config.fixed_num_arenas, budget_bytes=self.config.staging_budget_bytes,
                 kahan_summation=self.config.kahan_summation)
             if swap_times < 0:
                 raise ValueError(f"SwapOptimizerConfig.staging_budget_bytes={self.config.staging_budget_bytes} is too "
                                  f"small: the smallest budget that works is {smallest} bytes (the finest split, "
                                  "pieces of at least 64 KiB of state); raise the budget, or keep more params "
                                  "resident with a larger min_numel")
-        runtime = _C.SwapRuntime(local_params, group_of_param, group_amsgrad, swappable, swap_times=swap_times,
-                                 num_arenas=self.config.num_arenas, state_dtype=self.config.state_dtype,
+            return swap_times
+
+        copies = copy_bytes(local_params, self.__dict__["_unscale_in_step"] or self._overlap is not None)
+        planning = Planning.make(self.config, lay_out, swappable, copies, self._device, staging_budget_swap_times,
+                                 advice)
+        runtime = _C.SwapRuntime(local_params, group_of_param, group_amsgrad, planning.swappable,
+                                 swap_times=planning.swap_times, num_arenas=planning.num_arenas, state_dtype=self.config.state_dtype,
                                  master_weights=self.config.master_weights, pin_memory=self.config.pin_memory,
                                  keep_arenas=self.config.keep_arenas, swap_keys=swap_keys,
                                  kahan_summation=self.config.kahan_summation, rounding_seed=self._rounding_seed,
@@ -394,6 +425,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             self._overlap.lay_out(params)
         self._runtime = runtime
+        self._planning = planning
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._param_ids = [id(p) for p in params]
         self._data_pointers = [p.data_ptr() for p in local_params]
@@ -693,8 +725,20 @@ class SwapOptimizer(torch.optim.Optimizer):
     @_on_the_optimizer_itself
     def memory_stats(self) -> dict[str, Any]:
         """Bytes of the host store, staging arenas (now and peak), resident
-        states, bytes moved each way by the last step, batches and arenas."""
-        return self._runtime.memory_stats()
+        states, bytes moved each way by the last step, batches and arenas; the
+        resident share (device state bytes / all state bytes); with
+        device_budget_bytes, the budget and the plan chosen for it."""
+        return budget_stats(self._runtime.memory_stats(), self.config, self._planning)
+
+    @_on_the_optimizer_itself
+    def plan_report(self) -> dict[str, Any]:
+        """The plan this optimizer runs and its neighbours (half and twice the
+        swap_times, an arena fewer and more, no resident beyond min_numel and
+        state_keys): for each, swap_times, num_arenas, resident share, bytes
+        moved each way, device bytes as the budget counts them and the
+        predicted step time, from the cost model (config.cost_model or
+        StepCostModel.for_device). A dict that prints as a table."""
+        return self._planning.report(self.config, self._device)
 
     @_on_the_optimizer_itself
     def _set_test_hooks(self, copy_delay_us: int = 0, seed: int = 0, fault: Optional[str] = None,

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from . import _C
+from .budget import Planning, budget_stats, copy_bytes
 from .config import SwapOptimizerConfig
 from .distributed import _is_dtensor, _like_param, _local, _local_part
 from .optimizer import (SwapOptimizer, _check_distinct, _check_optimizer, _check_overlap_params, _check_params,
@@ -307,13 +308,20 @@ class RuleSwapOptimizer(SwapOptimizer):
             raise ValueError(f"SwapOptimizerConfig.state_keys: {unknown} are not states of "
                              f"{type(self.optimizer).__name__} here; its states are {keys}")
         swap_keys = [self.config.state_keys is None or key in self.config.state_keys for key in keys]
-        swap_times = self.config.swap_times
-        if self.config.staging_budget_bytes is not None:
-            swap_times = self._swap_times_for_budget(locals_, states, swappable, splittable, swap_keys)
         itself = weakref.ref(self)  # the runtime holds the rule; the rule must not keep this optimizer alive
-        runtime = _C.SwapRuntime(locals_, states, swappable, splittable,
+
+        def lay_out(swappable_now: list[bool], swap_times: int, num_arenas: int) -> dict:
+            summary = _C.plan_rule_staging(locals_, states, swappable_now, splittable, swap_keys,
+                                           swap_times=swap_times, num_arenas=num_arenas)
+            summary["update_temporary_bytes"] = itself()._temporaries_of(summary["plan"], states)
+            return summary
+
+        copies = copy_bytes(locals_, self.__dict__.get("_unscale_in_step", False) or self._overlap is not None)
+        planning = Planning.make(self.config, lay_out, swappable, copies, self._device,
+                                 lambda: self._swap_times_for_budget(locals_, states, swappable, splittable, swap_keys))
+        runtime = _C.SwapRuntime(locals_, states, planning.swappable, splittable,
                                  lambda *args: itself()._update_batch(*args),
-                                 swap_times=swap_times, num_arenas=self.config.num_arenas,
+                                 swap_times=planning.swap_times, num_arenas=planning.num_arenas,
                                  pin_memory=self.config.pin_memory, keep_arenas=self.config.keep_arenas,
                                  swap_keys=swap_keys)
         views = [runtime.state_views(i) for i in range(len(params))]
@@ -341,7 +349,8 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._keys = keys
         self._swap_keys = swap_keys
         self._state_rows = states
-        self._moves_whole = [swap and not cut for swap, cut in zip(swappable, splittable)]
+        self._planning = planning
+        self._moves_whole = [swap and not cut for swap, cut in zip(planning.swappable, splittable)]
         self._layouts_now = layouts
         self._views = views
         # What `state` shows: DTensors over the store's views for DTensor params
@@ -360,7 +369,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         """The smallest swap_times whose staging plus torch's update temporaries
         (an estimate, see memory_stats) fit in staging_budget_bytes; refuses,
         naming the smallest budget that works, when none does."""
-        budget, num_arenas = self.config.staging_budget_bytes, self.config.num_arenas
+        budget, num_arenas = self.config.staging_budget_bytes, self.config.fixed_num_arenas
 
         def need(swap_times: int) -> tuple[int, int, int]:
             summary = _C.plan_rule_staging(params, states, swappable, splittable, swap_keys,
@@ -875,7 +884,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         param the rule never cuts (Muon, Adafactor, a whole state), which
         every arena holds at least."""
         itself = self._itself
-        stats = itself._runtime.memory_stats()
+        stats = budget_stats(itself._runtime.memory_stats(), itself.config, itself._planning)
         stats["swapped_state_keys"] = [k for k, swapped in zip(itself._keys, itself._swap_keys) if swapped]
         stats["update_temporary_bytes"] = itself._update_temporaries()
         params = itself._params()

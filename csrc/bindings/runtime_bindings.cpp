@@ -82,6 +82,40 @@ py::list batch_plan(const runtime::StorePlan& plan) {
   return batches;
 }
 
+// What plan_staging and plan_rule_staging report of a plan: the device and host
+// bytes it lays out, its batches, and each param's state bytes (every key it
+// keeps, swapped or resident), from which the device budget's planner chooses
+// the params to keep resident, and the state bytes that go to host memory.
+py::dict plan_summary(const runtime::StorePlan& plan, const std::vector<runtime::SlotSpec>& specs,
+                      const KeyFlags& swap_keys, int64_t num_arenas) {
+  py::dict summary;
+  summary["host_state_bytes"] = plan.host_bytes;
+  summary["staging_bytes"] = runtime::staging_bytes_of(plan, num_arenas);
+  summary["largest_arena_bytes"] = plan.staging_arena_bytes;
+  summary["step_table_bytes"] = plan.step_table_bytes;
+  summary["resident_state_bytes"] = plan.resident_store_bytes;
+  summary["batches"] = plan.rotating_batches;
+  summary["split_params"] = plan.split_params;
+  summary["moved_bytes"] = plan.moved_bytes;
+  summary["finest_swap_times"] = runtime::finest_swap_times(specs);
+  py::list param_state_bytes;
+  int64_t swapped_state_bytes = 0;  // exact, without the regions' alignment or the step table
+  for (const runtime::SlotSpec& spec : specs) {
+    int64_t bytes = 0;
+    for (int key = 0; key < static_cast<int>(spec.states.size()); ++key) {
+      if (!runtime::key_kept(spec, key)) continue;
+      const int64_t key_bytes = runtime::key_bytes(spec, key, spec.numel);
+      bytes += key_bytes;
+      if (spec.swappable && swap_keys[key]) swapped_state_bytes += key_bytes;
+    }
+    param_state_bytes.append(bytes);
+  }
+  summary["param_state_bytes"] = param_state_bytes;
+  summary["swapped_state_bytes"] = swapped_state_bytes;
+  summary["plan"] = batch_plan(plan);
+  return summary;
+}
+
 // One state key of a param as Python declares it: (name, kind, unit bytes,
 // dtype, shape); kind "absent", "element" (unit bytes per element) or "whole"
 // (unit bytes in all).
@@ -339,29 +373,22 @@ void bind_runtime(py::module& module) {
       [](const std::vector<at::Tensor>& params, const std::vector<int64_t>& group_of_param,
          const std::vector<bool>& group_amsgrad, const std::vector<bool>& swappable, int64_t swap_times,
          int64_t num_arenas, std::optional<c10::ScalarType> state_dtype, bool master_weights,
-         const std::vector<bool>& swap_keys, bool kahan_summation) {
+         const std::vector<bool>& swap_keys, bool kahan_summation, const std::vector<bool>& quantized_params) {
         const RuntimeOptions options = make_options(swap_times, num_arenas, state_dtype, master_weights, true,
-                                                    false, swap_keys, {kahan_summation, std::nullopt, {}, {}});
-        const runtime::StorePlan plan = runtime::plan_store(
-            runtime::make_slot_specs(params, group_of_param, group_amsgrad, swappable, options), options.swap_keys,
-            swap_times, runtime::kAdamStepBytes);
-        py::dict summary;
-        summary["host_state_bytes"] = plan.host_bytes;
-        summary["staging_bytes"] = runtime::staging_bytes_of(plan, num_arenas);
-        summary["largest_arena_bytes"] = plan.staging_arena_bytes;
-        summary["step_table_bytes"] = plan.step_table_bytes;
-        summary["resident_state_bytes"] = plan.resident_store_bytes;
-        summary["batches"] = plan.rotating_batches;
-        summary["split_params"] = plan.split_params;
-        summary["moved_bytes"] = plan.moved_bytes;
-        summary["plan"] = batch_plan(plan);
-        return summary;
+                                                    false, swap_keys,
+                                                    {kahan_summation, std::nullopt, {}, quantized_params});
+        const std::vector<runtime::SlotSpec> specs =
+            runtime::make_slot_specs(params, group_of_param, group_amsgrad, swappable, options);
+        return plan_summary(runtime::plan_store(specs, options.swap_keys, swap_times, runtime::kAdamStepBytes), specs,
+                            options.swap_keys, num_arenas);
       },
       py::arg("params"), py::arg("group_of_param"), py::arg("group_amsgrad"), py::arg("swappable"),
       py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"), py::arg("state_dtype"),
       py::arg("master_weights"), py::arg("swap_keys"), py::arg("kahan_summation") = false,
+      py::arg("quantized_params") = std::vector<bool>{},
       "The layout a SwapRuntime would use, without allocating it: host, staging and resident bytes, batches, "
-      "split params and the batch plan. Params may be meta tensors (only numel and dtype are read).");
+      "split params, bytes moved each way, the finest swap_times, each param's state bytes and the batch plan. "
+      "Params may be meta tensors (only numel and dtype are read); quantized_params as for SwapRuntime.");
 
   module.def(
       "plan_rule_staging",
@@ -371,17 +398,13 @@ void bind_runtime(py::module& module) {
         const RuntimeOptions options = make_options(swap_times, num_arenas, std::nullopt, false, true, false,
                                                     swap_keys);
         const std::vector<runtime::SlotSpec> specs = rule_slot_specs(params, states, swappable, splittable, nullptr);
-        const runtime::StorePlan plan = runtime::plan_store(specs, options.swap_keys, swap_times, 0);
-        py::dict summary;
-        summary["staging_bytes"] = runtime::staging_bytes_of(plan, num_arenas);
-        summary["finest_swap_times"] = runtime::finest_swap_times(specs);
-        summary["plan"] = batch_plan(plan);
-        return summary;
+        return plan_summary(runtime::plan_store(specs, options.swap_keys, swap_times, 0), specs, options.swap_keys,
+                            num_arenas);
       },
       py::arg("params"), py::arg("states"), py::arg("swappable"), py::arg("splittable"), py::arg("swap_keys"),
       py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"),
-      "As plan_staging, for another optimizer's states (declared as for SwapRuntime's second constructor): "
-      "its staging bytes, the finest swap_times and the batch plan, nothing allocated.");
+      "As plan_staging, for another optimizer's states (declared as for SwapRuntime's second constructor), "
+      "nothing allocated.");
 
   module.def(
       "smallest_swap_times_for_budget",
