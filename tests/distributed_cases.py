@@ -296,6 +296,32 @@ def case_fsdp2_other_optimizers(rank, device, work_dir):
         SwapOptimizer(trusted(sharded.parameters(), lr=0.1), trust_per_param_step=True)
 
 
+def case_fsdp2_budget(rank, device, work_dir):
+    """device_budget_bytes under FSDP2 is per rank: each rank plans for its
+    local shards (half the state), keeps resident what fits beside its
+    staging, stays within the budget, and trains bitwise like an unbudgeted
+    SwapOptimizer on the same shards."""
+    probe = SwapOptimizer(adamw(shard(build_wide(device)).parameters()), swap_times=8, num_arenas=2, min_numel=64)
+    unbudgeted = probe.plan_report()["chosen"]["device_bytes"]
+    local_state = probe.memory_stats()["host_state_bytes"]
+    global_state = sum(8 * p.numel() for p in build_wide("cpu").parameters() if p.numel() >= 64)
+    assert local_state < 0.6 * global_state  # the store holds this rank's shards only
+    budget = unbudgeted + local_state // 2
+    model, reference = shard(build_wide(device)), shard(build_wide(device))
+    ours = SwapOptimizer(adamw(model.parameters()), swap_times=8, num_arenas=2, min_numel=64,
+                         device_budget_bytes=budget)
+    twin = SwapOptimizer(adamw(reference.parameters()), swap_times=8, num_arenas=2, min_numel=64)
+    train(model, ours, 4, 0, device, rank)
+    train(reference, twin, 4, 0, device, rank)
+    assert_models_close(model, reference, rtol=0, atol=0)
+    stats = ours.memory_stats()
+    assert probe.memory_stats()["resident_share"] < stats["resident_share"] < 1 and stats["plan"]["resident_params"]
+    assert stats["resident_state_bytes"] + stats["peak_staging_bytes"] <= stats["plan"]["device_bytes"]["total"] <= budget
+    for p, q in zip(model.parameters(), reference.parameters()):
+        for key, value in twin.state[q].items():
+            assert torch.equal(local(ours.state[p][key]).cpu(), local(value).cpu()), key
+
+
 def case_ddp(rank, device, work_dir):
     model = DistributedDataParallel(build(device))
     reference = DistributedDataParallel(build(device))
@@ -392,7 +418,7 @@ def case_ddp_overlap_layer_drop(rank, device, work_dir):
 CASES = {"ddp_overlap": case_ddp_overlap, "ddp_overlap_layer_drop": case_ddp_overlap_layer_drop, "fsdp2": case_fsdp2, "fsdp2_checkpoint": case_fsdp2_checkpoint,
          "fsdp2_mixed_precision": case_fsdp2_mixed_precision, "fsdp2_split": case_fsdp2_split,
          "fsdp2_bf16_moments": case_fsdp2_bf16_moments, "fsdp2_8bit": case_fsdp2_8bit, "fsdp2_other_optimizers": case_fsdp2_other_optimizers,
-         "ddp": case_ddp}
+         "fsdp2_budget": case_fsdp2_budget, "ddp": case_ddp}
 
 
 def run_rank(rank, case, work_dir, backend, port):
