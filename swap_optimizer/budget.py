@@ -5,6 +5,7 @@ fits in the device bytes the user gives (docs/design.md, "Device budget")."""
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -346,11 +347,11 @@ def copy_bytes(params: Sequence[torch.Tensor], amp_clones: bool) -> int:
     return strided + (2 * ALLOCATOR_GRANULE if amp_clones else 0)
 
 
-def plan_for_budget(config, lay_out: LayOut, base: list[bool], extra_bytes: int,
+def plan_for_budget(config, budget: int, lay_out: LayOut, base: list[bool], extra_bytes: int,
                     device: torch.device) -> PlanChoice:
-    """The plan for config.device_budget_bytes: the fastest predicted one that
-    fits; refuses, saying what takes the room, when none does."""
-    budget = config.device_budget_bytes
+    """The plan for a device budget (config.device_budget_bytes, or what
+    "auto" made of it): the fastest predicted one that fits; refuses, saying
+    what takes the room, when none does."""
     cost_model = config.cost_model or StepCostModel.for_device(device)
     best, _ = choose_plan(lay_out, base, range(len(base)), budget, swap_times=config.swap_times,
                           num_arenas=config.num_arenas, staging_cap=config.staging_budget_bytes,
@@ -372,10 +373,13 @@ def plan_for_budget(config, lay_out: LayOut, base: list[bool], extra_bytes: int,
                                                         ", or leave swap_times to the planner"))
 
 
-def budget_stats(stats: dict, config, planning: "Planning") -> dict:
+def budget_stats(stats: dict, planning: "Planning", auto: Optional["AutoBudget"]) -> dict:
     """memory_stats()'s entries for the device budget and the plan."""
     stats["resident_share"] = resident_share(planning.summary)
-    stats["device_budget_bytes"] = config.device_budget_bytes
+    stats["device_budget_bytes"] = planning.budget
+    if auto is not None:
+        stats["auto_budget"] = dict(warmup_steps=auto.warmup_steps, headroom_bytes=auto.headroom_bytes,
+                                    measured=auto.measured)
     choice = planning.choice
     if choice is not None:
         stats["plan"] = dict(swap_times=choice.swap_times, num_arenas=choice.num_arenas,
@@ -394,6 +398,7 @@ class Planning:
     lay_out: LayOut
     base: list[bool]
     copy_bytes: int
+    budget: Optional[int]
     choice: Optional[PlanChoice]
     swap_times: int
     num_arenas: int
@@ -401,18 +406,19 @@ class Planning:
     advice: Callable[[PlanChoice, StepCostModel], list[str]] = lambda chosen, cost_model: []
 
     @classmethod
-    def make(cls, config, lay_out: LayOut, base: list[bool], copies: int, device: torch.device,
-             staging_budget_swap_times: Callable[[], int], advice=None) -> "Planning":
-        """The plan for `config`: the budget's choice, staging_budget_bytes's
-        swap_times, or the settings as given."""
+    def make(cls, config, budget: Optional[int], lay_out: LayOut, base: list[bool], copies: int,
+             device: torch.device, staging_budget_swap_times: Callable[[], int], advice=None) -> "Planning":
+        """The plan for `config` and a device budget (None: none yet): the
+        budget's choice, staging_budget_bytes's swap_times, or the settings as
+        given."""
         swap_times, num_arenas = config.fixed_swap_times, config.fixed_num_arenas
         choice = None
-        if config.device_budget_bytes is not None:
-            choice = plan_for_budget(config, lay_out, base, copies, device)
+        if budget is not None:
+            choice = plan_for_budget(config, budget, lay_out, base, copies, device)
             swap_times, num_arenas = choice.swap_times, choice.num_arenas
         elif config.staging_budget_bytes is not None:
             swap_times = staging_budget_swap_times()
-        return cls(lay_out, base, copies, choice, swap_times, num_arenas,
+        return cls(lay_out, base, copies, budget, choice, swap_times, num_arenas,
                    **({} if advice is None else dict(advice=advice)))
 
     @property
@@ -430,6 +436,53 @@ class Planning:
         cost_model = config.cost_model or StepCostModel.for_device(device)
         chosen = evaluate(self.lay_out, self.swappable, self.swap_times, self.num_arenas, self.base,
                           self.copy_bytes, cost_model)
-        others = neighbours(self.lay_out, chosen, self.base, config.device_budget_bytes, self.copy_bytes,
-                            cost_model)
-        return report(chosen, others, config.device_budget_bytes, cost_model, self.advice(chosen, cost_model))
+        others = neighbours(self.lay_out, chosen, self.base, self.budget, self.copy_bytes, cost_model)
+        return report(chosen, others, self.budget, cost_model, self.advice(chosen, cost_model))
+
+
+_log = logging.getLogger("swap_optimizer")
+
+
+@dataclass
+class AutoBudget:
+    """device_budget_bytes="auto": counts the steps; at the step after the
+    warm-up, derives the budget once from what the device has free."""
+
+    warmup_steps: int
+    headroom_bytes: int
+    steps_seen: int = 0
+    measured: Optional[dict] = None  # what the budget was derived from, once it was
+    # Tests: {free_bytes, peak_bytes, allocated_bytes} in place of the device's.
+    simulated: Optional[dict] = None
+
+    def due(self) -> bool:
+        """Counts a step about to run: True for the one after the warm-up."""
+        due = self.measured is None and self.steps_seen == self.warmup_steps
+        self.steps_seen += 1
+        return due
+
+    def derive(self, device: torch.device, held_bytes: int) -> Optional[int]:
+        """The budget: what the device could still allocate (free memory and
+        the allocator's cached blocks) plus what is allocated now, less the
+        peak of the warm-up iterations (params, grads, activations and this
+        optimizer's staging where they met) net of the `held_bytes` this
+        optimizer holds throughout (its resident store), less the headroom.
+        Every rank takes the least of all ranks'. None where nothing was
+        measured (the CPU backend, without a simulation)."""
+        if self.simulated is not None:
+            free, peak, now = (self.simulated[k] for k in ("free_bytes", "peak_bytes", "allocated_bytes"))
+        elif device.type == "cuda":
+            from . import _C
+            free, peak = _C.free_device_bytes(device), torch.cuda.max_memory_allocated(device)
+            now = torch.cuda.memory_allocated(device)
+        else:
+            free = peak = now = None
+        budget = -1 if free is None else max(0, now + free - (peak - held_bytes) - self.headroom_bytes)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            on = device if device.type == "cuda" and torch.distributed.get_backend() == "nccl" else "cpu"
+            least = torch.tensor([budget], dtype=torch.int64, device=on)
+            torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+            budget = int(least.item())
+        self.measured = dict(at_step=self.steps_seen, free_bytes=free, peak_bytes=peak, allocated_bytes=now,
+                             held_bytes=held_bytes, budget_bytes=None if budget < 0 else budget)
+        return None if budget < 0 else budget

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -71,6 +71,14 @@ class SwapOptimizerConfig:
         planner keeps resident, per param in param order, the state that fits
         beside the staging, and chooses swap_times and num_arenas (unless
         given) for the least predicted step time (see plan_report()).
+        "auto": after auto_warmup_steps whole iterations with the plan as
+        given, the budget becomes the device's free memory (the allocator's
+        cached blocks included) plus what this optimizer holds, less the
+        iterations' measured peak and auto_headroom_bytes; the states move to
+        the new plan once, at that step boundary (docs/usage.md).
+    auto_warmup_steps: iterations (forward, backward, step) measured before
+        an "auto" budget is derived.
+    auto_headroom_bytes: device bytes an "auto" budget leaves free.
     cost_model: the StepCostModel the planner predicts step times with; None:
         StepCostModel.for_device (the link measured once per process).
     unscale_in_step: whether GradScaler hands step() its scale and inf flag
@@ -109,8 +117,10 @@ class SwapOptimizerConfig:
     overlap_forward: bool = False
     trust_per_param_step: bool = False
     trust_elementwise_step: bool = False
-    device_budget_bytes: Optional[int] = None
+    device_budget_bytes: Optional[Union[int, str]] = None
     cost_model: Optional[StepCostModel] = None
+    auto_warmup_steps: int = 3
+    auto_headroom_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.swap_times is not None:
@@ -143,8 +153,13 @@ class SwapOptimizerConfig:
             if self.swap_times is not None and self.device_budget_bytes is None:
                 raise ValueError("SwapOptimizerConfig: staging_budget_bytes chooses swap_times; set one of "
                                  "swap_times and staging_budget_bytes")
-        if self.device_budget_bytes is not None:
+        if self.device_budget_bytes is not None and self.device_budget_bytes != "auto":
+            if isinstance(self.device_budget_bytes, str):
+                raise ValueError("SwapOptimizerConfig.device_budget_bytes must be None, an int >= 1 or 'auto', got "
+                                 f"{self.device_budget_bytes!r}")
             _check_int("device_budget_bytes", self.device_budget_bytes, 1)
+        _check_int("auto_warmup_steps", self.auto_warmup_steps, 1)
+        _check_int("auto_headroom_bytes", self.auto_headroom_bytes, 0)
         if self.cost_model is not None and not isinstance(self.cost_model, StepCostModel):
             raise ValueError("SwapOptimizerConfig.cost_model must be None or a swap_optimizer.StepCostModel, got "
                              f"{self.cost_model!r}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import logging
 import warnings
 import weakref
 from typing import Any, Optional
@@ -16,7 +17,7 @@ import torch
 
 from . import _C
 from .compact import FORMAT_KEY, MIN_QUANTIZED_NUMEL, MOMENTS, code_map, state_format
-from .budget import Planning, budget_stats, copy_bytes
+from .budget import AutoBudget, Planning, allocated, budget_stats, copy_bytes, plan_for_budget
 from .config import SwapOptimizerConfig
 from .distributed import (_check_fsdp_8bit, _global_offset, _is_dtensor, _like_param, _local,
                           _shared_default_seed, _sharded_scales)
@@ -26,6 +27,7 @@ from .state_dicts import checked_adam_state, write_adam_states
 
 
 _ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
+_log = logging.getLogger("swap_optimizer")
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Flags that choose how torch runs the update, not what it computes: loading a
 # state dict keeps this optimizer's own.
@@ -164,6 +166,12 @@ def _forward_overlap(optimizer: "SwapOptimizer", model: Optional[torch.nn.Module
     return None
 
 
+def _auto_budget(config: SwapOptimizerConfig) -> Optional[AutoBudget]:
+    if config.device_budget_bytes != "auto":
+        return None
+    return AutoBudget(config.auto_warmup_steps, config.auto_headroom_bytes)
+
+
 class SwapOptimizer(torch.optim.Optimizer):
     """Adam/AdamW whose state lives in host memory between steps.
 
@@ -241,6 +249,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self._overlap = _forward_overlap(self, model, all_params)
         self.optimizer = optimizer
         self._runtime = None
+        self._auto = _auto_budget(self.config)
         self._rounding_seed = None
         if self.config.state_dtype == torch.bfloat16:  # stochastic rounding; the seed is saved in state dicts
             self._rounding_seed = self.config.rounding_seed
@@ -396,7 +405,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             return swap_times
 
         copies = copy_bytes(local_params, self.__dict__["_unscale_in_step"] or self._overlap is not None)
-        planning = Planning.make(self.config, lay_out, swappable, copies, self._device, staging_budget_swap_times,
+        planning = Planning.make(self.config, self._budget_now(), lay_out, swappable, copies, self._device,
+                                 staging_budget_swap_times,
                                  advice)
         runtime = _C.SwapRuntime(local_params, group_of_param, group_amsgrad, planning.swappable,
                                  swap_times=planning.swap_times, num_arenas=planning.num_arenas, state_dtype=self.config.state_dtype,
@@ -519,6 +529,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 _check_distinct(params)
                 self._data_pointers = data_pointers
             self._sync_outside_changes(params)
+            self._settle_auto_budget()
             grads = [None if p.grad is None else _local(p.grad) for p in params]
             state = self.__dict__["_state"]
             for i, (p, grad) in enumerate(zip(params, grads)):
@@ -721,6 +732,87 @@ class SwapOptimizer(torch.optim.Optimizer):
                                f"updated; {what}() refuses to run so that no piece is stepped twice. Load a "
                                "checkpoint with load_state_dict() (which clears this), or create a new SwapOptimizer")
 
+    # ---------------------------------------------------------- device budget
+    def _budget_now(self) -> Optional[int]:
+        """The device budget plans follow: the one given, what "auto" made of
+        it once derived, or None."""
+        if self._auto is not None:
+            return None if self._auto.measured is None else self._auto.measured["budget_bytes"]
+        return self.config.device_budget_bytes
+
+    def _settle_auto_budget(self) -> None:
+        """device_budget_bytes="auto", at the step after the warm-up (a step
+        boundary: the last step is done, this one has not begun): derives the
+        budget and moves the states to its plan, once."""
+        if self._auto is None or not self._auto.due():
+            return
+        planning = self._planning
+        budget = self._auto.derive(self._device, allocated(self._runtime.memory_stats()["resident_state_bytes"]))
+        if budget is None:
+            warnings.warn("SwapOptimizer: device_budget_bytes='auto' has no device memory to measure on the CPU; the "
+                          "plan stays as given (pass a number to plan for one)", RuntimeWarning, stacklevel=4)
+            return
+        try:  # planned first, nothing allocated: a budget no plan fits leaves the store as it is
+            plan_for_budget(self.config, budget, planning.lay_out, planning.base, planning.copy_bytes, self._device)
+        except ValueError as error:
+            self._auto.measured["budget_bytes"] = None
+            warnings.warn(f"SwapOptimizer: device_budget_bytes='auto' derived {budget} bytes, in which no plan fits "
+                          f"({error}); the plan stays as given", RuntimeWarning, stacklevel=4)
+            return
+        self._move_to_new_plan()
+        stats = self.memory_stats()
+        _log.info("SwapOptimizer: device_budget_bytes='auto' is %d bytes after %d warm-up steps (%s); the states "
+                  "moved to swap_times=%d, num_arenas=%d, resident share %.1f%%", budget, self._auto.warmup_steps,
+                  ", ".join(f"{k} {v}" for k, v in self._auto.measured.items() if k != "budget_bytes"),
+                  stats["plan"]["swap_times"], stats["plan"]["num_arenas"], 100 * stats["resident_share"])
+
+    def _move_to_new_plan(self) -> None:
+        """Lays the store out for the budget now in force and moves every state
+        into it byte for byte. The device part of the old store is copied to
+        host memory and freed before the new store is allocated, so no state is
+        on the device twice. If the new store cannot be made, the old plan is
+        laid out again and filled from the same bytes, and the error raised."""
+        saved = [{key: view.to("cpu", copy=True) if view.device.type != "cpu" else view
+                  for key, view in views.items()} for views in self._views]
+        kept = self._bookkeeping()
+        self._release_store()
+        try:
+            self._lay_out_empty()
+        except BaseException:
+            self._auto.measured["budget_bytes"] = None
+            self._lay_out_empty()
+            self._fill_store(saved, kept)
+            raise
+        self._fill_store(saved, kept)
+
+    def _fill_store(self, saved: list[dict], kept: dict) -> None:
+        with torch.no_grad():
+            for views, values in zip(self._views, saved):
+                for key, view in views.items():
+                    view.copy_(values[key])
+        self._restore_bookkeeping(kept)
+        self._runtime.order_writes()
+
+    def _bookkeeping(self) -> dict:
+        """What a store's layout does not hold: which params show a state."""
+        return dict(shown=list(self._shown))
+
+    def _restore_bookkeeping(self, kept: dict) -> None:
+        self._shown = kept["shown"]
+        state = self.__dict__["_state"]
+        state.clear()
+        state.update((p, dict(entry)) for p, entry, shown in zip(self._params(), self._entries, self._shown)
+                     if shown)
+
+    def _release_store(self) -> None:
+        """Drops the store and every view of it (its device memory is freed)."""
+        self.__dict__["_state"].clear()
+        self._views = self._entries = None
+        self._runtime = None
+
+    def _lay_out_empty(self) -> None:
+        self._build_runtime({}, "no state (it is moved in after)")
+
     # ----------------------------------------------------------------- misc
     @_on_the_optimizer_itself
     def memory_stats(self) -> dict[str, Any]:
@@ -728,7 +820,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         states, bytes moved each way by the last step, batches and arenas; the
         resident share (device state bytes / all state bytes); with
         device_budget_bytes, the budget and the plan chosen for it."""
-        return budget_stats(self._runtime.memory_stats(), self.config, self._planning)
+        return budget_stats(self._runtime.memory_stats(), self._planning, self._auto)
 
     @_on_the_optimizer_itself
     def plan_report(self) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from . import _C
 from .budget import Planning, budget_stats, copy_bytes
 from .config import SwapOptimizerConfig
 from .distributed import _is_dtensor, _like_param, _local, _local_part
-from .optimizer import (SwapOptimizer, _check_distinct, _check_optimizer, _check_overlap_params, _check_params,
-                        _forward_overlap)
+from .optimizer import (SwapOptimizer, _auto_budget, _check_distinct, _check_optimizer, _check_overlap_params,
+                        _check_params, _forward_overlap)
 from .overlap import _HANDLED_SIGNALS, capturing
 from .rules import (ELEMENT, REFUSED, SCALAR, WHOLE, Declaration, declaration_for, estimated_temporaries,
                     foreign_state_keys, run_torch_update, trusted_declaration)
@@ -218,6 +218,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         self.declaration: Declaration = declaration
         self.optimizer = optimizer
         self._runtime = None
+        self._auto = _auto_budget(self.config)
         self._rounding_seed = None
         self._learned: dict = {}
         self._probed: set = set()  # (group, dimensionality) whose contract was probed
@@ -263,15 +264,15 @@ class RuleSwapOptimizer(SwapOptimizer):
                                            else None) for spec in self.declaration.states(p, group)))
         return layouts
 
-    def _lay_out(self, previous: dict) -> None:
+    def _lay_out(self, previous: dict, learned: Optional[dict] = None) -> None:
         """Builds the store for the current params and their layouts, filled
-        from `previous` (param -> its state as torch.optim holds it)."""
+        from `previous` (param -> its state as torch.optim holds it); a trusted
+        optimizer's layouts are learned from `previous` unless given."""
         params = self._params()
         if self._overlap is not None:  # refused before anything is built: the old store stays whole
             _check_overlap_params(params)
             self._overlap.check_params(params)
-        learned = None
-        if self._learning:
+        if self._learning and learned is None:
             name = type(self.optimizer).__name__
             learned = {p: _learn_layout(i, p, previous[p], name) for i, p in enumerate(params) if previous.get(p)}
         layouts = self._layouts(learned)
@@ -317,7 +318,7 @@ class RuleSwapOptimizer(SwapOptimizer):
             return summary
 
         copies = copy_bytes(locals_, self.__dict__.get("_unscale_in_step", False) or self._overlap is not None)
-        planning = Planning.make(self.config, lay_out, swappable, copies, self._device,
+        planning = Planning.make(self.config, self._budget_now(), lay_out, swappable, copies, self._device,
                                  lambda: self._swap_times_for_budget(locals_, states, swappable, splittable, swap_keys))
         runtime = _C.SwapRuntime(locals_, states, planning.swappable, splittable,
                                  lambda *args: itself()._update_batch(*args),
@@ -515,6 +516,7 @@ class RuleSwapOptimizer(SwapOptimizer):
                                    f"{type(self.optimizer).__name__} runs on dense grads here (torch.optim.SparseAdam "
                                    "is the optimizer for sparse ones)")
         self._sync_edits(params)
+        self._settle_auto_budget()
         # What every batch call starts from: the groups before the step.
         self._step_groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         self._group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
@@ -884,7 +886,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         param the rule never cuts (Muon, Adafactor, a whole state), which
         every arena holds at least."""
         itself = self._itself
-        stats = budget_stats(itself._runtime.memory_stats(), itself.config, itself._planning)
+        stats = budget_stats(itself._runtime.memory_stats(), itself._planning, itself._auto)
         stats["swapped_state_keys"] = [k for k, swapped in zip(itself._keys, itself._swap_keys) if swapped]
         stats["update_temporary_bytes"] = itself._update_temporaries()
         params = itself._params()
@@ -893,6 +895,20 @@ class RuleSwapOptimizer(SwapOptimizer):
                  for (_, kind, unit, _, _), swapped in zip(rows, itself._swap_keys) if swapped)
              for i, rows in enumerate(itself._state_rows) if itself._moves_whole[i]), default=0)
         return stats
+
+    def _bookkeeping(self) -> dict:
+        return dict(shown=list(self._shown), scalars=self._scalars)
+
+    def _restore_bookkeeping(self, kept: dict) -> None:
+        self._shown, self._scalars = kept["shown"], kept["scalars"]
+        self._refresh_state(self._params())
+
+    def _release_store(self) -> None:
+        super()._release_store()
+        self._shown_views = None
+
+    def _lay_out_empty(self) -> None:
+        self._lay_out({}, learned=self._learned if self._learning else None)
 
     def _update_temporaries(self) -> int:
         """An estimate of the device memory torch's update allocates beyond the

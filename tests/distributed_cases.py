@@ -337,6 +337,32 @@ def case_ddp(rank, device, work_dir):
         assert torch.equal(gathered[0], gathered[1])
 
 
+def case_ddp_auto_budget(rank, device, work_dir):
+    """device_budget_bytes="auto" under DDP: the ranks see different free
+    memory (simulated), agree on the least budget and move to its plan at the
+    same step; training is bitwise an unbudgeted run, and the replicas stay
+    identical."""
+    probe = SwapOptimizer(adamw(build_wide(device).parameters()), swap_times=8, num_arenas=2, min_numel=64)
+    unbudgeted = probe.plan_report()["chosen"]["device_bytes"]
+    budgets = [unbudgeted + probe.memory_stats()["host_state_bytes"] // 2, unbudgeted + 10_000_000]
+    model, reference = DistributedDataParallel(build_wide(device)), DistributedDataParallel(build_wide(device))
+    ours = SwapOptimizer(adamw(model.parameters()), swap_times=8, num_arenas=2, min_numel=64,
+                         device_budget_bytes="auto", auto_warmup_steps=2, auto_headroom_bytes=0)
+    held = probe.memory_stats()["resident_state_bytes"]
+    ours._auto.simulated = dict(free_bytes=budgets[rank], peak_bytes=held, allocated_bytes=0)
+    twin = SwapOptimizer(adamw(reference.parameters()), swap_times=8, num_arenas=2, min_numel=64)
+    train(model, ours, 5, 0, device, rank)
+    train(reference, twin, 5, 0, device, rank)
+    assert_models_close(model, reference, rtol=0, atol=0)
+    measured = ours.memory_stats()["auto_budget"]["measured"]
+    assert measured["budget_bytes"] == min(budgets) and measured["at_step"] == 3
+    assert ours.memory_stats()["plan"]["resident_params"]
+    for p in model.parameters():
+        gathered = [torch.empty_like(p) for _ in range(WORLD)]
+        dist.all_gather(gathered, p.detach())
+        assert torch.equal(gathered[0], gathered[1])
+
+
 def case_ddp_overlap(rank, device, work_dir):
     """overlap_forward=True under DDP: the wrapped model's calls wait for their
     params; training is bitwise that without it on every rank, and the
@@ -418,7 +444,7 @@ def case_ddp_overlap_layer_drop(rank, device, work_dir):
 CASES = {"ddp_overlap": case_ddp_overlap, "ddp_overlap_layer_drop": case_ddp_overlap_layer_drop, "fsdp2": case_fsdp2, "fsdp2_checkpoint": case_fsdp2_checkpoint,
          "fsdp2_mixed_precision": case_fsdp2_mixed_precision, "fsdp2_split": case_fsdp2_split,
          "fsdp2_bf16_moments": case_fsdp2_bf16_moments, "fsdp2_8bit": case_fsdp2_8bit, "fsdp2_other_optimizers": case_fsdp2_other_optimizers,
-         "fsdp2_budget": case_fsdp2_budget, "ddp": case_ddp}
+         "fsdp2_budget": case_fsdp2_budget, "ddp": case_ddp, "ddp_auto_budget": case_ddp_auto_budget}
 
 
 def run_rank(rank, case, work_dir, backend, port):

@@ -358,6 +358,16 @@ void bind_runtime(py::module& module) {
              "Test only: while enabled, pinning host memory fails as if the driver refused it.");
 
   module.def(
+      "free_device_bytes",
+      [](const c10::Device& device) {
+        py::gil_scoped_release no_gil;
+        return runtime::free_device_bytes(device);
+      },
+      py::arg("device"),
+      "Bytes a new allocation could take on `device`: on CUDA the driver's free memory plus the caching "
+      "allocator's cached free blocks; on the CPU the free physical memory.");
+
+  module.def(
       "measure_copy_bandwidth",
       [](const c10::Device& device, int64_t bytes, int repeats) {
         py::gil_scoped_release no_gil;

@@ -1,0 +1,195 @@
+"""device_budget_bytes="auto" on the CPU backend, against a simulated free
+memory and peak: after the warm-up steps the budget is derived once (by the
+arithmetic usage.md states), the states move to its plan exactly at that step
+boundary (bitwise a run planned for that budget from the start), the old store
+is let go before the new one is made, a failure while moving loses nothing, a
+rebuild re-plans with the derived budget, and ranks agree (distributed case
+ddp_auto_budget). The GPU check proves the measurement itself."""
+
+import logging
+import weakref
+
+import pytest
+import torch
+
+import swap_optimizer as so
+from test_device_budget import SLOW_LINK, SWAP_TIMES, adamw, build, train, unbudgeted_device_bytes
+
+WARMUP = 2
+HEADROOM = 4096
+
+
+def simulated(budget):
+    """A device whose free memory, peak and allocation make an "auto" budget
+    of `budget` bytes for an optimizer holding 4096 resident bytes (the Stack
+    model's min_numel residents at min_numel 1024)."""
+    return dict(free_bytes=budget + 10_000_000, peak_bytes=12_000_000 + 4096, allocated_bytes=2_000_000 + HEADROOM)
+
+
+def auto_optimizer(model, **fields):
+    fields = dict(dict(swap_times=SWAP_TIMES, num_arenas=2, cost_model=SLOW_LINK), **fields)
+    return so.SwapOptimizer(adamw(model.parameters()), device_budget_bytes="auto", auto_warmup_steps=WARMUP,
+                            auto_headroom_bytes=HEADROOM, **fields)
+
+
+def snapshot(optimizer, model):
+    return ([p.detach().clone() for p in model.parameters()],
+            [{k: v.detach().clone() for k, v in optimizer.state[p].items()} for p in model.parameters()])
+
+
+def assert_bitwise(first, second):
+    for p, q in zip(first[0], second[0]):
+        assert torch.equal(p, q)
+    for a, b in zip(first[1], second[1]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def middle_budget():
+    base, host = unbudgeted_device_bytes("cpu")
+    return base + int(0.4 * host)
+
+
+def test_the_budget_is_derived_once_and_the_states_move_exactly(caplog):
+    budget = middle_budget()
+    model = build("cpu")
+    optimizer = auto_optimizer(model)
+    optimizer._auto.simulated = simulated(budget)
+    train(model, optimizer, WARMUP, "cpu")
+    assert optimizer.memory_stats()["device_budget_bytes"] is None  # the warm-up runs the plan as given
+    before = optimizer.memory_stats()["resident_share"]
+    with caplog.at_level(logging.INFO, logger="swap_optimizer"):
+        train(model, optimizer, 3, "cpu")
+    stats = optimizer.memory_stats()
+    # allocated + free - (peak - held) - headroom, by hand
+    assert stats["device_budget_bytes"] == budget
+    assert stats["auto_budget"]["measured"] == dict(at_step=WARMUP + 1, free_bytes=budget + 10_000_000,
+                                                    peak_bytes=12_004_096, allocated_bytes=2_000_000 + HEADROOM,
+                                                    held_bytes=4096, budget_bytes=budget)
+    assert stats["resident_share"] > before and stats["plan"]["resident_params"] == [0, 3, 4]
+    logged = [r for r in caplog.records if "device_budget_bytes='auto'" in r.getMessage()]
+    assert len(logged) == 1 and f"is {budget} bytes after {WARMUP} warm-up steps" in logged[0].getMessage()
+    # bitwise a run planned for that budget from the start (the same split), and one with no budget
+    for fields in (dict(device_budget_bytes=budget), {}):
+        twin_model = build("cpu")
+        twin = so.SwapOptimizer(adamw(twin_model.parameters()), swap_times=SWAP_TIMES, num_arenas=2,
+                                cost_model=SLOW_LINK, **fields)
+        train(twin_model, twin, WARMUP, "cpu")  # the same batches, in the same calls
+        train(twin_model, twin, 3, "cpu")
+        assert_bitwise(snapshot(optimizer, model), snapshot(twin, twin_model))
+
+
+@pytest.mark.parametrize("mode", [dict(state_dtype=torch.uint8), dict(master_weights=True, dtype=torch.bfloat16)],
+                         ids=["8-bit", "bf16-masters"])
+def test_compact_states_move_byte_for_byte(mode):
+    mode = dict(mode)
+    dtype = mode.pop("dtype", torch.float32)
+    base, host = unbudgeted_device_bytes("cpu", dtype, **mode)
+    budget = base + int(0.4 * host)
+    model, twin_model = build("cpu", dtype), build("cpu", dtype)
+    optimizer = auto_optimizer(model, **mode)
+    optimizer._auto.simulated = simulated(budget)
+    twin = so.SwapOptimizer(adamw(twin_model.parameters()), swap_times=SWAP_TIMES, num_arenas=2, **mode)
+    train(model, optimizer, WARMUP + 2, "cpu")
+    train(twin_model, twin, WARMUP + 2, "cpu")
+    assert optimizer.memory_stats()["plan"]["resident_params"]
+    assert_bitwise(snapshot(optimizer, model), snapshot(twin, twin_model))
+
+
+def test_the_old_store_is_let_go_before_the_new_one_is_made(monkeypatch):
+    model = build("cpu")
+    optimizer = auto_optimizer(model)
+    optimizer._auto.simulated = simulated(middle_budget())
+    train(model, optimizer, WARMUP, "cpu")
+    old = weakref.ref(optimizer._runtime)
+    made = []
+    original = so._C.SwapRuntime
+
+    def checked(*args, **kwargs):
+        made.append(old() is None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(so._C, "SwapRuntime", checked)
+    train(model, optimizer, 1, "cpu")
+    assert made == [True]
+
+
+def test_a_failure_while_moving_loses_nothing(monkeypatch):
+    model, twin_model = build("cpu"), build("cpu")
+    optimizer = auto_optimizer(model)
+    optimizer._auto.simulated = simulated(middle_budget())
+    twin = so.SwapOptimizer(adamw(twin_model.parameters()), swap_times=SWAP_TIMES, num_arenas=2)
+    train(model, optimizer, WARMUP, "cpu")
+    train(twin_model, twin, WARMUP, "cpu")
+    original, calls = so._C.SwapRuntime, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected: no room for the new store")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(so._C, "SwapRuntime", fails_once)
+    with pytest.raises(RuntimeError, match="injected: no room for the new store"):
+        train(model, optimizer, 1, "cpu")
+    monkeypatch.setattr(so._C, "SwapRuntime", original)
+    # nothing stepped, nothing lost: the old plan with the same bytes, and training goes on bitwise
+    assert optimizer.memory_stats()["device_budget_bytes"] is None and len(calls) == 2
+    assert_bitwise(snapshot(optimizer, model), snapshot(twin, twin_model))
+    train(model, optimizer, 2, "cpu")
+    train(twin_model, twin, 2, "cpu")
+    assert_bitwise(snapshot(optimizer, model), snapshot(twin, twin_model))
+
+
+def test_a_rebuild_replans_with_the_derived_budget():
+    budget = middle_budget()
+    model = build("cpu")
+    optimizer = auto_optimizer(model)
+    optimizer._auto.simulated = simulated(budget)
+    train(model, optimizer, WARMUP + 1, "cpu")
+    extra = torch.nn.Parameter(torch.randn(64, 64))
+    optimizer.add_param_group({"params": [extra]})
+    stats = optimizer.memory_stats()
+    assert stats["device_budget_bytes"] == budget and stats["plan"]["device_bytes"]["total"] <= budget
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert optimizer.memory_stats()["device_budget_bytes"] == budget
+
+
+def test_other_optimizers_move_to_the_derived_plan_bitwise():
+    make = lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.9)  # noqa: E731
+    probe = so.SwapOptimizer(make(build("cpu").parameters()), swap_times=SWAP_TIMES, num_arenas=2)
+    budget = probe.plan_report()["chosen"]["device_bytes"] + probe.memory_stats()["host_state_bytes"] // 2
+    model, twin_model = build("cpu"), build("cpu")
+    optimizer = so.SwapOptimizer(make(model.parameters()), device_budget_bytes="auto", auto_warmup_steps=WARMUP,
+                                 auto_headroom_bytes=HEADROOM, swap_times=SWAP_TIMES, num_arenas=2,
+                                 cost_model=SLOW_LINK)
+    optimizer._auto.simulated = simulated(budget)
+    plain = make(twin_model.parameters())
+    train(model, optimizer, WARMUP + 3, "cpu", (twin_model, plain))
+    assert optimizer.memory_stats()["device_budget_bytes"] == budget
+    assert 0 < optimizer.memory_stats()["resident_share"] < 1
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(p, q)
+        assert all(torch.equal(torch.as_tensor(optimizer.state[p][k]), torch.as_tensor(v))
+                   for k, v in plain.state[q].items())
+
+
+def test_without_a_device_to_measure_the_plan_stays_and_says_so():
+    model = build("cpu")
+    optimizer = auto_optimizer(model)
+    train(model, optimizer, WARMUP, "cpu")
+    with pytest.warns(RuntimeWarning, match="has no device memory to measure on the CPU; the plan stays"):
+        train(model, optimizer, 1, "cpu")
+    small_model = build("cpu")
+    tiny = auto_optimizer(small_model)
+    tiny._auto.simulated = simulated(100)
+    train(small_model, tiny, WARMUP, "cpu")
+    with pytest.warns(RuntimeWarning, match="derived 100 bytes, in which no plan fits"):
+        train(small_model, tiny, 1, "cpu")
+    assert tiny.memory_stats()["device_budget_bytes"] is None
+
+
+def test_auto_settings_are_checked():
+    with pytest.raises(ValueError, match="device_budget_bytes must be None, an int >= 1 or 'auto'"):
+        so.SwapOptimizer(adamw(build("cpu").parameters()), device_budget_bytes="max")
+    with pytest.raises(ValueError, match="auto_warmup_steps must be an int >= 1"):
+        so.SwapOptimizer(adamw(build("cpu").parameters()), device_budget_bytes="auto", auto_warmup_steps=0)
