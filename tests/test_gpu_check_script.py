@@ -58,7 +58,7 @@ def test_its_stages_fit_in_six_minutes_and_racecheck_runs_only_the_8bit_kernel()
     limits = [int(limit) for _, limit in stages]
     # Under 360 s with 10 s for what runs outside stages (nvidia-smi, two imports, the summary).
     assert len(limits) >= 8 and sum(limits) <= 350, stages
-    assert "overlap-memory" in [name for name, _ in stages]
+    assert "overlap-memory" in [name for name, _ in stages] and "cost-model" in [name for name, _ in stages]
     # The one kernel with shared memory (CUB block reductions) gets a racecheck, on one small step.
     assert SCRIPT.count("--tool racecheck") == 1 and '"$racecheck_run"' in SCRIPT
     racecheck_source = embedded_python("racecheck_run")
@@ -131,3 +131,16 @@ def test_its_memory_check_passes_within_the_bound_and_fails_over_it(tmp_path):
     assert "within the bound" in within.stdout and "loop peak 21.062 GiB" in within.stdout
     over = run_python(source, report(plain + arena_set + block + 1), cwd=tmp_path)
     assert over.returncode != 0 and "over the bound: ['swap s8 a3 overlap']" in over.stderr
+
+
+def test_its_cost_model_check_runs_on_the_cpu_backend(tmp_path):
+    """The predicted-against-measured table on the host backend (64K-element
+    params): it runs every plan and reports; the 25% assert is the GPU's."""
+    source = embedded_python("cost_check")
+    assert 'if device == "cuda":' in source and "0.75 <= r[\"ratio\"] <= 1.25" in source
+    result = run_python(source, "cpu", "65536", str(tmp_path / "cost.json"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "cost.json").read_text())["rows"]
+    assert len(rows) == 8 and {r["swap_times"] for r in rows} == {4, 16}
+    assert all(r["resident_share"] > 0.3 for r in rows if r["h2d_bytes"] < rows[0]["h2d_bytes"] // 2)
+    assert "| swap_times | num_arenas | resident share |" in result.stdout
