@@ -18,6 +18,9 @@ ALLOCATOR_GRANULE = 512
 # Swap counts the planner tries (up to the finest split worth asking for):
 # finer steps where a batch more changes the most.
 _SWAP_TIMES_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+# Past the ladder (thousands of batches, each paying a fixed cost far above
+# its copy of 64 KiB) counts double, up to the finest split, and are weighed
+# only when nothing on the ladder fits.
 _ARENA_CHOICES = (2, 3, 4)
 _LINK_PROBE_BYTES = 32 << 20
 
@@ -232,8 +235,15 @@ def _fill(lay_out: LayOut, base: list[bool], start: list[bool], priority: Sequen
     return choice
 
 
-def swap_times_ladder(finest: int) -> list[int]:
-    return sorted({s for s in _SWAP_TIMES_LADDER if s < finest} | {max(1, finest)})
+def swap_times_ladder(finest: int) -> tuple[list[int], list[int]]:
+    """(the counts weighed first, those weighed only if none of them fits)."""
+    first = sorted({s for s in _SWAP_TIMES_LADDER if s < finest} | ({finest} if finest <= _SWAP_TIMES_LADDER[-1]
+                                                                     else set()) | {1})
+    rest, count = [], _SWAP_TIMES_LADDER[-1] * 2
+    while count < finest:
+        rest.append(count)
+        count *= 2
+    return first, rest + ([finest] if finest > _SWAP_TIMES_LADDER[-1] else [])
 
 
 def choose_plan(lay_out: LayOut, base: list[bool], priority: Sequence[int], budget: int, *,
@@ -245,7 +255,7 @@ def choose_plan(lay_out: LayOut, base: list[bool], priority: Sequence[int], budg
     params may be swapped at all (min_numel, contiguity, state kept); the
     planner keeps more of them resident, in `priority` order."""
     finest = lay_out(list(base), 1, 2)["finest_swap_times"]
-    counts = [swap_times] if swap_times is not None else swap_times_ladder(finest)
+    counts, more_counts = ([swap_times], []) if swap_times is not None else swap_times_ladder(finest)
     arenas = [num_arenas] if num_arenas is not None else list(_ARENA_CHOICES)
     weighed: list[PlanChoice] = []
     seen = set()
@@ -267,6 +277,9 @@ def choose_plan(lay_out: LayOut, base: list[bool], priority: Sequence[int], budg
                                            c.num_arenas))
 
     weigh(list(base))
+    if not weighed:
+        counts = more_counts
+        weigh(list(base))
     if not weighed:
         return None, []
     # Filling greedily at each count may keep a large param resident at one

@@ -1,0 +1,355 @@
+"""Plan before training: what AdamW with SwapOptimizer needs on the device and in
+pinned host memory for a model, before it is built (no weights, no GPU).
+
+    python -m swap_optimizer.plan llama-3.1-8b --device-memory 80
+    python -m swap_optimizer.plan --config path/to/config.json --device-memory 24 --state-mode 8bit
+
+Every SwapOptimizer figure comes from the runtime's own layout (`_C.plan_staging`
+on meta tensors: memory_stats() of a real step equals it), the device budget's
+planner and its cost model (swap_optimizer.budget); the activations are an
+estimate (see activation_bytes)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import textwrap
+from typing import Callable, Optional
+
+import torch
+
+from . import _C
+from .budget import StepCostModel, allocated, choose_plan, device_bytes, resident_share
+from .compact import MIN_QUANTIZED_NUMEL
+from .config import SwapOptimizerConfig
+from .presets import PRESETS, DecoderShape, from_hf_config
+
+GIB = 1 << 30
+DEFAULTS = SwapOptimizerConfig()
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# --state-mode -> SwapOptimizer settings (docs/usage.md, "Fewer bytes over the link: compact states").
+STATE_MODES = {
+    "default": {},
+    "bf16": dict(state_dtype=torch.bfloat16),
+    "8bit": dict(state_dtype=torch.uint8),
+    "master": dict(master_weights=True, state_dtype=torch.float32),
+    "kahan": dict(kahan_summation=True),
+    "kahan+8bit": dict(kahan_summation=True, state_dtype=torch.uint8),
+}
+SIXTEEN_BIT_MODES = ("master", "kahan", "kahan+8bit")  # they keep what rounding a 16-bit param loses
+# Both directions of a PCIe link at once carry about 1.6x one direction (an
+# assumption: full duplex, less the DMA engines' and root complex's limits).
+BOTH_WAYS_FACTOR = 1.6
+# A batch's copy set-up and launches, and a step's table and events, on a GPU (as StepCostModel.for_device).
+BATCH_SECONDS, STEP_SECONDS = 20e-6, 100e-6
+
+LayOut = Callable[[list, int, int], dict]
+
+
+def rank_shape(shape: tuple[int, ...], world_size: int) -> tuple[int, ...]:
+    """A param's largest local shard under FSDP2 (Shard(0)): ceil(rows / world_size) rows."""
+    return (-(-shape[0] // world_size),) + tuple(shape[1:])
+
+
+def activation_bytes(model: DecoderShape, batch: int, seq: int, itemsize: int, attention: str) -> int:
+    """An estimate of the activations one rank's step keeps for backward,
+    without recomputation (Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models"): per layer s*b*h*34 bytes of
+    16-bit activations, plus 5*a*s*s*b for eager attention's scores, softmax
+    and dropout mask (SDPA's flash and memory-efficient kernels keep none),
+    scaled by itemsize / 2; plus fp32 logits and their grad, 2 * b*s*vocab*4.
+    It ignores SwiGLU's wider MLP, GQA's narrower k and v and the framework's
+    temporaries: a figure to size a budget with, not a measurement."""
+    s, b, h = seq, batch, model.hidden_size
+    per_layer = s * b * h * 34 + (5 * model.num_heads * s * s * b if attention == "eager" else 0)
+    return model.num_layers * per_layer * itemsize // 2 + 2 * b * s * model.vocab_size * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """The device and host bytes one rank has, and what the model takes before
+    the optimizer: params, grads (the params' dtype) and activations."""
+
+    device: int
+    headroom: int
+    host: int
+    ranks_per_host: int
+    params: int
+    activations: int
+
+    @property
+    def optimizer_budget(self) -> int:
+        """What is left for the optimizer: the device_budget_bytes to give SwapOptimizer."""
+        return self.device - self.headroom - 2 * self.params - self.activations
+
+    def row(self, plan: str, settings: str, optimizer_device: Optional[int], host_state: Optional[int],
+            **figures) -> dict:
+        """A table row; optimizer_device None: no plan fits."""
+        fits = optimizer_device is not None
+        return dict(plan=plan, settings=settings, params_bytes=self.params, grads_bytes=self.params,
+                    activation_bytes=self.activations, optimizer_device_bytes=optimizer_device,
+                    device_total_bytes=2 * self.params + self.activations + optimizer_device if fits else None,
+                    host_state_bytes=host_state,
+                    fits_device=fits and optimizer_device <= self.optimizer_budget,
+                    fits_host=host_state is not None and host_state * self.ranks_per_host <= self.host, **figures)
+
+
+@dataclasses.dataclass(frozen=True)
+class Planner:
+    """One rank's params (meta tensors: nothing is allocated) and the cost model."""
+
+    params: list[torch.Tensor]
+    whole_numels: list[int]  # unsharded sizes: 8-bit moments are decided on the whole param
+    cost_model: StepCostModel
+
+    @classmethod
+    def make(cls, model: DecoderShape, dtype: torch.dtype, world_size: int, cost_model: StepCostModel) -> "Planner":
+        shapes = model.param_shapes()
+        return cls([torch.empty(rank_shape(shape, world_size), dtype=dtype, device="meta") for shape in shapes],
+                   [math.prod(shape) for shape in shapes], cost_model)
+
+    @property
+    def swappable(self) -> list[bool]:
+        """The params SwapOptimizer may swap: min_numel on the local shard, as it checks."""
+        return [p.numel() >= DEFAULTS.min_numel for p in self.params]
+
+    def lay_out(self, mode: str) -> LayOut:
+        config = SwapOptimizerConfig(**STATE_MODES[mode])
+        quantized = [n >= MIN_QUANTIZED_NUMEL for n in self.whole_numels] if config.state_dtype == torch.uint8 else []
+
+        def lay_out(swappable: list, swap_times: int, num_arenas: int) -> dict:
+            return _C.plan_staging(self.params, [0] * len(self.params), [False], swappable, swap_times=swap_times,
+                                   num_arenas=num_arenas, state_dtype=config.state_dtype,
+                                   master_weights=config.master_weights, swap_keys=config.runtime_swap_keys(),
+                                   kahan_summation=config.kahan_summation, quantized_params=quantized)
+        return lay_out
+
+    def best_plan(self, mode: str, budget: int, swap_times: Optional[int], num_arenas: Optional[int]):
+        """choose_plan's choice within `budget`, as SwapOptimizer(device_budget_bytes=budget) makes it."""
+        best, _ = choose_plan(self.lay_out(mode), self.swappable, range(len(self.swappable)), budget,
+                              swap_times=swap_times, num_arenas=num_arenas, staging_cap=None, extra_bytes=0,
+                              cost_model=self.cost_model)
+        return best
+
+    def swap_row(self, memory: Memory, plan: str, settings: str, summary: dict, swap_times: int,
+                 num_arenas: int) -> dict:
+        return memory.row(plan, settings, device_bytes(summary, num_arenas, 0)["total"], summary["host_state_bytes"],
+                          swap_times=swap_times, num_arenas=num_arenas, batches=summary["batches"],
+                          resident_state_bytes=summary["resident_state_bytes"], staging_bytes=summary["staging_bytes"],
+                          step_table_bytes=summary["step_table_bytes"], moved_bytes_each_way=summary["moved_bytes"],
+                          resident_share=resident_share(summary),
+                          predicted_step_seconds=self.cost_model.predict(summary, num_arenas)["seconds"])
+
+    def rows(self, memory: Memory, dtype: torch.dtype, swap_times: Optional[int], num_arenas: Optional[int],
+             state_mode: str) -> list[dict]:
+        """torch's AdamW with its state resident; SwapOptimizer in each state
+        mode that applies to `dtype` at swap_times / num_arenas (its defaults
+        where None); and the device budget's plan in `state_mode`."""
+        # torch keeps exp_avg and exp_avg_sq in the param's dtype (its step counts are 0-dim CPU tensors);
+        # its update streams them as SwapOptimizer's resident store does.
+        torch_state = 2 * sum(allocated(p.numel() * p.element_size()) for p in self.params)
+        all_resident = self.lay_out("default")([False] * len(self.params), 1, 2)
+        rows = [memory.row("resident AdamW", "torch.optim.AdamW(params)", torch_state, 0,
+                           resident_state_bytes=torch_state, staging_bytes=0, moved_bytes_each_way=0,
+                           resident_share=1.0,
+                           predicted_step_seconds=self.cost_model.predict(all_resident, 2)["seconds"])]
+        fixed_times = DEFAULTS.fixed_swap_times if swap_times is None else swap_times
+        fixed_arenas = DEFAULTS.fixed_num_arenas if num_arenas is None else num_arenas
+        for mode in STATE_MODES:
+            if mode in SIXTEEN_BIT_MODES and dtype == torch.float32:
+                continue
+            summary = self.lay_out(mode)(self.swappable, fixed_times, fixed_arenas)
+            rows.append(self.swap_row(memory, "swapped" + ("" if mode == "default" else f" {mode}"),
+                                      settings(mode, swap_times, num_arenas), summary, fixed_times, fixed_arenas))
+        budget = memory.optimizer_budget
+        best = self.best_plan(state_mode, budget, swap_times, num_arenas) if budget > 0 else None
+        name = "best resident share" + ("" if state_mode == "default" else f" {state_mode}")
+        if best is None:
+            rows.append(memory.row(name, f"no plan fits an optimizer budget of {gib(budget)} GiB", None, None))
+        else:
+            rows.append(dict(self.swap_row(memory, name, settings(state_mode, swap_times, num_arenas, budget),
+                                           best.summary, best.swap_times, best.num_arenas),
+                             resident_params=len(best.resident_params)))
+        return rows
+
+
+def settings(mode: str, swap_times: Optional[int], num_arenas: Optional[int], budget: Optional[int] = None) -> str:
+    """The SwapOptimizer keywords a row stands for."""
+    parts = [f"{key}={value}" for key, value in (("swap_times", swap_times), ("num_arenas", num_arenas),
+                                                 ("device_budget_bytes", budget)) if value is not None]
+    parts += [f"{key}={value}" for key, value in STATE_MODES[mode].items()]
+    return "SwapOptimizer(torch.optim.AdamW(params)" + "".join(f", {part}" for part in parts) + ")"
+
+
+def gib(nbytes: Optional[int]) -> str:
+    return "-" if nbytes is None else f"{nbytes / GIB:.2f}"
+
+
+def seconds(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f} s" if value >= 1 else f"{value * 1e3:.2f} ms"
+
+
+def table(rows: list[dict]) -> list[str]:
+    header = ("plan", "swap_times", "arenas", "params", "grads", "res. state", "resident", "staging",
+              "device total", "pinned host", "each way", "step", "fits device", "fits host")
+    yes_no = {True: "yes", False: "no"}
+    cells = [header]
+    for row in rows:
+        rotating = row.get("batches", 0) > 0  # swap_times and num_arenas mean nothing with every state resident
+        share = row.get("resident_share")
+        cells.append((row["plan"], str(row["swap_times"]) if rotating else "-",
+                      str(row["num_arenas"]) if rotating else "-",
+                      gib(row["params_bytes"]), gib(row["grads_bytes"]), gib(row.get("resident_state_bytes")),
+                      "-" if share is None else f"{share:.0%}", gib(row.get("staging_bytes")),
+                      gib(row["device_total_bytes"]), gib(row["host_state_bytes"]),
+                      gib(row.get("moved_bytes_each_way")), seconds(row.get("predicted_step_seconds")),
+                      yes_no[row["fits_device"]], yes_no[row["fits_host"]]))
+    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+            for line in cells]
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    parser = argparse.ArgumentParser(prog="python -m swap_optimizer.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", choices=sorted(PRESETS), metavar="PRESET",
+                        help=f"a model preset: {', '.join(PRESETS)}")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="the same, as an option")
+    parser.add_argument("--config", metavar="PATH", help="a Hugging Face config.json (or its folder) instead")
+    parser.add_argument("--device-memory", type=float, required=True, metavar="GIB", help="device memory per GPU")
+    parser.add_argument("--headroom-gib", type=float, default=1.0,
+                        help="device memory left free for the allocator's fragmentation and the framework (default 1)")
+    parser.add_argument("--host-memory", type=float, metavar="GIB", help="host RAM (default: this machine's)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="param dtype (default bf16)")
+    parser.add_argument("--world-size", type=int, default=1, help="FSDP2 ranks sharding the params (default 1)")
+    parser.add_argument("--ranks-per-host", type=int,
+                        help="ranks sharing one host's RAM for the pinned states (default: the world size)")
+    parser.add_argument("--batch", type=int, default=1, help="micro-batch per rank, for the activations (default 1)")
+    parser.add_argument("--seq", type=int, default=2048, help="sequence length, for the activations (default 2048)")
+    parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+                        help="sdpa (flash or memory-efficient kernels: no s*s scores kept) or eager (default sdpa)")
+    parser.add_argument("--activation-gib", type=float, help="the activations per rank, instead of the estimate")
+    parser.add_argument("--optimizer", default="adamw", help="the optimizer (adamw only for now)")
+    parser.add_argument("--state-mode", choices=tuple(STATE_MODES), default="default",
+                        help="the state form of the 'best resident share' row (default: the param's dtype, as torch)")
+    parser.add_argument("--link-gbps", type=float, default=25.0,
+                        help="host<->device GB/s each way (default 25: PCIe Gen4 x16, effective)")
+    parser.add_argument("--link-both-gbps", type=float,
+                        help=f"GB/s both ways at once (default {BOTH_WAYS_FACTOR}x --link-gbps)")
+    parser.add_argument("--update-gbps", type=float, default=1000.0,
+                        help="GB/s of state the fused update processes (default 1000: a datacenter GPU)")
+    parser.add_argument("--swap-times", type=int, help="batches per step (default: 16; the budget's row chooses)")
+    parser.add_argument("--num-arenas", type=int, help="staging arenas (default: 2; the budget's row chooses)")
+    parser.add_argument("--json", metavar="PATH", help="write the header and rows to this file")
+    args = parser.parse_args(argv)
+    if sum(x is not None for x in (args.model, args.preset, args.config)) != 1:
+        parser.error("name one model: a preset (positional or --preset) or --config PATH/config.json")
+    if args.optimizer.lower() != "adamw":
+        parser.error(f"--optimizer {args.optimizer}: only adamw is planned for now; SwapOptimizer wraps the others "
+                     "too (docs/usage.md, 'Other optimizers'): their memory_stats() after one step give the figures")
+    for name in ("world_size", "batch", "seq", "swap_times"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.num_arenas is not None and args.num_arenas < 2:
+        parser.error("--num-arenas must be >= 2")
+    if args.ranks_per_host is not None and not 1 <= args.ranks_per_host <= args.world_size:
+        parser.error("--ranks-per-host must be between 1 and --world-size")
+    for name in ("device_memory", "link_gbps", "update_gbps", "link_both_gbps", "host_memory"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.headroom_gib < 0 or (args.activation_gib is not None and args.activation_gib < 0):
+        parser.error("--headroom-gib and --activation-gib must be >= 0")
+    return args, parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args, parser = parse_args(argv)
+    if args.config is not None:
+        try:
+            model, title = from_hf_config(args.config), args.config
+        except (OSError, ValueError) as error:
+            parser.error(str(error))
+        description = f"{model.model_type}, vocab {model.vocab_size}, hidden {model.hidden_size}, " \
+                      f"{model.num_layers} layers, {'tied' if model.tie_word_embeddings else 'separate'} lm_head"
+    else:
+        title = args.model or args.preset
+        description, model = PRESETS[title]
+    description = f"{title}: {description}"
+    dtype = DTYPES[args.dtype]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    link = args.link_gbps * 1e9
+    both = args.link_both_gbps * 1e9 if args.link_both_gbps else BOTH_WAYS_FACTOR * link
+    cost_model = StepCostModel(link, link, both, args.update_gbps * 1e9, BATCH_SECONDS, STEP_SECONDS)
+    planner = Planner.make(model, dtype, args.world_size, cost_model)
+    numel, rank_numel = sum(planner.whole_numels), sum(p.numel() for p in planner.params)
+    estimated = args.activation_gib is None
+    activations = activation_bytes(model, args.batch, args.seq, itemsize, args.attention) if estimated \
+        else int(args.activation_gib * GIB)
+    host = int(args.host_memory * GIB) if args.host_memory else host_memory_bytes()
+    memory = Memory(int(args.device_memory * GIB), int(args.headroom_gib * GIB), host,
+                    args.ranks_per_host or args.world_size, rank_numel * itemsize, activations)
+    rows = planner.rows(memory, dtype, args.swap_times, args.num_arenas, args.state_mode)
+
+    if estimated:
+        eager = " + 5*a*s*s*b" if args.attention == "eager" else ""
+        activation_note = (f"an estimate for micro-batch {args.batch} x seq {args.seq}, {args.attention} attention: "
+                           f"34*s*b*h{eager} bytes per 16-bit layer (Korthikanti et al., no recomputation) + fp32 "
+                           "logits and their grad; --activation-gib to set it")
+    else:
+        activation_note = "given: --activation-gib"
+    header = [
+        f"model: {description}",
+        f"params: {numel:,} ({args.dtype}) in {len(planner.params)} tensors; world size {args.world_size}"
+        + ("" if args.world_size == 1 else f" (FSDP2, dim 0 sharded): {rank_numel:,} per rank; FSDP2's all-gathered "
+           "blocks come out of the headroom") + "; every figure is per rank",
+        f"device: {gib(memory.device)} GiB = headroom {gib(memory.headroom)} + params {gib(memory.params)} + grads "
+        f"{gib(memory.params)} + activations {gib(activations)} ({activation_note}) + the optimizer's budget "
+        f"{gib(memory.optimizer_budget)} GiB",
+        f"host RAM: {gib(host)} GiB ({'given' if args.host_memory else 'this machine, --host-memory to change'}), "
+        f"for the pinned states of {memory.ranks_per_host} rank(s); leave room for the OS and data loading",
+        f"cost model (assumed, not measured): {cost_model.describe()}. Defaults: 25 GB/s each way (PCIe Gen4 x16, "
+        f"effective), {BOTH_WAYS_FACTOR}x that both at once, 1000 GB/s update (a datacenter GPU); --link-gbps, "
+        "--link-both-gbps, --update-gbps",
+        f"AdamW, min_numel {DEFAULTS.min_numel}. 'swapped' rows: swap_times "
+        f"{args.swap_times or DEFAULTS.fixed_swap_times}, num_arenas {args.num_arenas or DEFAULTS.fixed_num_arenas} "
+        "(SwapOptimizer's defaults unless --swap-times, --num-arenas), one per state form"
+        + (" (master and kahan need 16-bit params)" if dtype == torch.float32 else "")
+        + f". 'best resident share': the plan device_budget_bytes = the optimizer's budget chooses ({args.state_mode} "
+        "states): the fastest predicted one that fits, keeping params' states resident in param order.",
+    ]
+    for line in header:
+        print(textwrap.fill(line, width=118, subsequent_indent="    ", break_on_hyphens=False))
+    print()
+    print("\n".join(table(rows)))
+    print("\nGiB. res. state: states on the device; staging: arenas and step table during step(); each way: bytes "
+          "copied\nto the device and back per step; step: the predicted optimizer step; fits host: pinned host x "
+          "ranks <= host RAM.")
+    for row in rows:
+        print(f"  {row['plan']}: {row['settings']}")
+    best = rows[-1]
+    if best["optimizer_device_bytes"] is None:
+        reason = "params, grads and activations alone leave no room" if memory.optimizer_budget <= 0 \
+            else "even the finest split does not fit the optimizer budget"
+        print(f"No plan fits {gib(memory.device)} GiB: {reason}; shard with --world-size, lower the activations, "
+              "or use a larger device.")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(dict(model=title, params=numel, rank_params=rank_numel, dtype=args.dtype,
+                           world_size=args.world_size, memory=dataclasses.asdict(memory),
+                           optimizer_budget_bytes=memory.optimizer_budget, activations_estimated=estimated,
+                           cost_model=dataclasses.asdict(cost_model), header=header, rows=rows), out, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

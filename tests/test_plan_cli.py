@@ -1,0 +1,200 @@
+"""python -m swap_optimizer.plan: its figures are those of a real step (memory_stats()
+of SwapOptimizer on CPU params of the planned shapes, in every state mode, and the
+device budget's choice), hand arithmetic on configs and presets, refusals, and
+FSDP2 sharding. The large presets are planned on meta tensors only."""
+
+import json
+
+import pytest
+import torch
+
+from swap_optimizer import StepCostModel, SwapOptimizer, plan
+from swap_optimizer.budget import allocated
+from swap_optimizer.presets import PRESETS, from_hf_config
+
+GIB = 1 << 30
+TINY_LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+
+
+def write_config(tmp_path, **config):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def run_plan(tmp_path, *args):
+    out = tmp_path / "plan.json"
+    assert plan.main([*map(str, args), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    return report, {row["plan"]: row for row in report["rows"]}
+
+
+def stepped(shapes, **settings):
+    """SwapOptimizer over bf16 CPU params of `shapes` after one step with random grads."""
+    torch.manual_seed(0)
+    params = [torch.randn(shape, dtype=torch.bfloat16).requires_grad_() for shape in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = SwapOptimizer(torch.optim.AdamW(params), min_numel=1024, **settings)
+    optimizer.step()
+    return optimizer
+
+
+@pytest.mark.parametrize("swap_times, num_arenas", [(4, 2), (3, 3)])
+def test_rows_equal_memory_stats_of_a_real_step(tmp_path, swap_times, num_arenas):
+    config = write_config(tmp_path, **TINY_LLAMA)
+    _, rows = run_plan(tmp_path, "--config", config, "--device-memory", 1, "--swap-times", swap_times,
+                       "--num-arenas", num_arenas)
+    shapes = from_hf_config(config).param_shapes()
+    assert set(rows) == {"resident AdamW", "swapped", "swapped bf16", "swapped 8bit", "swapped master",
+                         "swapped kahan", "swapped kahan+8bit", "best resident share"}
+    for mode, settings in plan.STATE_MODES.items():
+        row = rows["swapped" + ("" if mode == "default" else f" {mode}")]
+        stats = stepped(shapes, swap_times=swap_times, num_arenas=num_arenas, **settings).memory_stats()
+        assert (row["host_state_bytes"], row["resident_state_bytes"], row["staging_bytes"], row["batches"]) == \
+            (stats["host_state_bytes"], stats["resident_state_bytes"], stats["peak_staging_bytes"],
+             stats["batches"]), mode
+        assert row["moved_bytes_each_way"] == stats["h2d_bytes"] == stats["d2h_bytes"], mode
+        assert (row["swap_times"], row["num_arenas"]) == (swap_times, num_arenas)
+
+
+def test_torch_row_equals_a_plain_adamw_step(tmp_path):
+    config = write_config(tmp_path, **TINY_LLAMA)
+    _, rows = run_plan(tmp_path, "--config", config, "--device-memory", 1)
+    params = [torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
+              for shape in from_hf_config(config).param_shapes()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params)
+    optimizer.step()
+    state = sum(allocated(value.nbytes) for entry in optimizer.state.values() for value in entry.values()
+                if value.dim() > 0)
+    assert rows["resident AdamW"]["resident_state_bytes"] == state
+    assert rows["resident AdamW"]["host_state_bytes"] == rows["resident AdamW"]["moved_bytes_each_way"] == 0
+
+
+def test_best_resident_share_is_what_the_device_budget_chooses(tmp_path):
+    """The budget row is SwapOptimizer(device_budget_bytes=the optimizer budget)'s plan under the same cost model."""
+    config = write_config(tmp_path, **TINY_LLAMA)
+    shapes = from_hf_config(config).param_shapes()
+    params_and_grads = 2 * 2 * sum(torch.Size(s).numel() for s in shapes)
+    device = (params_and_grads + 400_000) / GIB  # room for part of the 0.56 MB of state
+    # A slow link, so that bytes moved outweigh a batch's fixed cost even for so small a model.
+    report, rows = run_plan(tmp_path, "--config", config, "--device-memory", f"{device:.12f}", "--headroom-gib", 0,
+                            "--activation-gib", 0, "--link-gbps", 1)
+    best = rows["best resident share"]
+    budget = report["optimizer_budget_bytes"]
+    assert 0 < budget < rows["swapped"]["host_state_bytes"] and best["fits_device"]
+    assert 0 < best["resident_share"] < 1 and best["resident_params"] > 0
+    stats = stepped(shapes, device_budget_bytes=budget, cost_model=StepCostModel(**report["cost_model"])).memory_stats()
+    assert (best["swap_times"], best["num_arenas"]) == (stats["plan"]["swap_times"], stats["plan"]["num_arenas"])
+    assert (best["host_state_bytes"], best["resident_state_bytes"], best["staging_bytes"]) == \
+        (stats["host_state_bytes"], stats["resident_state_bytes"], stats["peak_staging_bytes"])
+    assert best["optimizer_device_bytes"] == stats["plan"]["device_bytes"]["total"] <= budget
+
+
+def test_hand_arithmetic_on_a_made_up_config(tmp_path):
+    """Every tensor has at least min_numel elements, so every state is in host memory."""
+    vocab, hidden, inner, kv = 1000, 1024, 1536, 2 * 128
+    config = write_config(tmp_path, model_type="llama", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1,
+                          intermediate_size=inner, num_attention_heads=8, num_key_value_heads=2)
+    numel = 2 * vocab * hidden + (2 * hidden * hidden + 2 * kv * hidden + 3 * inner * hidden + 2 * hidden) + hidden
+    report, rows = run_plan(tmp_path, "--config", config, "--device-memory", 24)
+    assert report["params"] == numel
+    tensors = 2 + 9 + 1
+    for row in rows.values():
+        assert row["params_bytes"] == row["grads_bytes"] == numel * 2
+    assert rows["resident AdamW"]["resident_state_bytes"] == pytest.approx(numel * 4, abs=512 * tensors)
+    # fp32 master and fp32 moments: 12 bytes a param, 256-byte aligned per state, and the step table.
+    master = rows["swapped master"]
+    assert numel * 12 <= master["host_state_bytes"] <= numel * 12 + 3 * 256 * tensors + 4 * tensors + 256
+    assert master["resident_state_bytes"] == 0
+    assert numel * 4 <= rows["swapped"]["host_state_bytes"] <= numel * 4 + 2 * 256 * tensors + 4 * tensors + 256
+
+
+def test_biases_and_tied_heads_of_hf_configs(tmp_path):
+    h, heads, kv, inner, vocab = 128, 4, 2 * 32, 256, 300
+    common = dict(vocab_size=vocab, hidden_size=h, num_hidden_layers=2, intermediate_size=inner,
+                  num_attention_heads=heads, num_key_value_heads=2)
+    layer = 2 * h * h + 2 * kv * h + 3 * inner * h + 2 * h
+    qwen = from_hf_config(write_config(tmp_path, model_type="qwen2", tie_word_embeddings=True, **common))
+    assert qwen.numel() == vocab * h + 2 * (layer + h + 2 * kv) + h  # q, k, v biases; one embedding
+    llama = from_hf_config(write_config(tmp_path, model_type="llama", attention_bias=True, mlp_bias=True, **common))
+    assert llama.numel() == 2 * vocab * h + 2 * (layer + 2 * h + 2 * kv + 2 * inner + h) + h
+    write_config(tmp_path, model_type="mistral", **common)
+    mistral = from_hf_config(str(tmp_path))  # the folder holding config.json
+    assert mistral.numel() == 2 * vocab * h + 2 * layer + h
+    gpt2 = from_hf_config(write_config(tmp_path, model_type="gpt2", vocab_size=vocab, n_positions=64, n_embd=h,
+                                       n_layer=2, n_head=heads))
+    assert gpt2.numel() == (vocab + 64) * h + 2 * (12 * h * h + 13 * h) + 2 * h
+
+
+def test_presets_have_the_published_param_counts():
+    counts = {"gpt2-124m": 124_439_808, "qwen2.5-0.5b": 494_032_768, "llama-3.2-1b": 1_235_814_400,
+              "llama-3.1-8b": 8_030_261_248, "qwen2.5-7b": 7_615_616_512, "mistral-7b": 7_241_732_096}
+    assert {name: shape.numel() for name, (_, shape) in PRESETS.items()} == counts
+    # Llama-3.1-8B's lm_head is its own tensor; Llama-3.2-1B's is the embedding.
+    assert PRESETS["llama-3.1-8b"][1].param_shapes().count((128256, 4096)) == 2
+    assert PRESETS["llama-3.2-1b"][1].param_shapes().count((128256, 2048)) == 1
+
+
+def test_llama_8b_does_not_fit_24_gib_and_needs_96_gb_pinned_for_masters(tmp_path, capsys):
+    params = 8_030_261_248
+    _, rows = run_plan(tmp_path, "llama-3.1-8b", "--device-memory", 24)
+    assert round((rows["swapped"]["params_bytes"] + rows["swapped"]["grads_bytes"]) / GIB, 1) == 29.9
+    assert rows["swapped"]["params_bytes"] == params * 2
+    assert not any(row["fits_device"] for row in rows.values())
+    assert rows["best resident share"]["optimizer_device_bytes"] is None
+    assert rows["swapped master"]["host_state_bytes"] == pytest.approx(params * 12, rel=1e-6)  # 96.4 GB
+    assert rows["swapped 8bit"]["moved_bytes_each_way"] / params == pytest.approx(2.03, abs=0.005)
+    out = capsys.readouterr().out
+    assert "No plan fits 24.00 GiB" in out and "estimate" in out and "29.92 GiB" not in out
+
+
+def test_world_size_halves_the_bytes_per_rank(tmp_path):
+    one, rows_one = run_plan(tmp_path, "llama-3.1-8b", "--device-memory", 24)
+    two, rows_two = run_plan(tmp_path, "llama-3.1-8b", "--device-memory", 24, "--world-size", 2)
+    assert two["rank_params"] * 2 == one["rank_params"] == one["params"] == two["params"]
+    for name in ("swapped", "swapped master", "swapped 8bit"):
+        assert rows_two[name]["params_bytes"] * 2 == rows_one[name]["params_bytes"]
+        assert rows_two[name]["host_state_bytes"] * 2 == pytest.approx(rows_one[name]["host_state_bytes"], rel=1e-4)
+        assert rows_two[name]["moved_bytes_each_way"] * 2 == pytest.approx(rows_one[name]["moved_bytes_each_way"],
+                                                                           rel=1e-4)
+
+
+def test_uneven_shards_take_ceil_rows(tmp_path):
+    config = write_config(tmp_path, **dict(TINY_LLAMA, vocab_size=513))
+    report, _ = run_plan(tmp_path, "--config", config, "--device-memory", 1, "--world-size", 2)
+    shapes = from_hf_config(config).param_shapes()
+    assert report["rank_params"] == sum(-(-s[0] // 2) * torch.Size(s[1:]).numel() for s in shapes)
+
+
+def test_fp32_params_have_no_master_or_kahan_rows(tmp_path):
+    _, rows = run_plan(tmp_path, "gpt2-124m", "--device-memory", 16, "--dtype", "fp32")
+    assert set(rows) == {"resident AdamW", "swapped", "swapped bf16", "swapped 8bit", "best resident share"}
+    assert rows["swapped"]["moved_bytes_each_way"] == pytest.approx(124_439_808 * 8, rel=1e-3)
+
+
+def test_refuses_unknown_model_types_naming_the_supported_ones(tmp_path, capsys):
+    config = write_config(tmp_path, **dict(TINY_LLAMA, model_type="mixtral"))
+    with pytest.raises(ValueError, match="model_type 'mixtral' is not supported.*llama, qwen2, mistral, gpt2"):
+        from_hf_config(config)
+    with pytest.raises(SystemExit):
+        plan.main(["--config", config, "--device-memory", "24"])
+    assert "llama, qwen2, mistral, gpt2" in capsys.readouterr().err
+    missing = write_config(tmp_path, **{k: v for k, v in TINY_LLAMA.items() if k != "hidden_size"})
+    with pytest.raises(ValueError, match="needs 'hidden_size'"):
+        from_hf_config(missing)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["gpt2-124m", "--device-memory", "8", "--optimizer", "sgd"], "only adamw"),
+    (["--device-memory", "8"], "name one model"),
+    (["gpt2-124m", "--config", "x.json", "--device-memory", "8"], "name one model"),
+    (["gpt2-124m", "--device-memory", "8", "--num-arenas", "1"], "--num-arenas must be >= 2"),
+])
+def test_refuses_bad_arguments(args, message, capsys):
+    with pytest.raises(SystemExit):
+        plan.main(args)
+    assert message in capsys.readouterr().err
