@@ -14,7 +14,7 @@ in host memory also run one real step on the CPU host backend and report
 `memory_stats()` of that step, which must equal the plan.
 
     python -P benchmarks/staging_share.py [--swap-times 8 16 32] [--num-arenas 2]
-                                          [--real-step gpt2|all|none] [--json PATH]
+                                          [--real-step gpt2-124m|all|none] [--json PATH]
 """
 
 from __future__ import annotations
@@ -26,38 +26,11 @@ import sys
 import torch
 
 from swap_optimizer import SwapOptimizer, _C
+from swap_optimizer.presets import PRESETS
 
 
-def gpt2_124m():
-    """GPT-2 small: vocab 50257, 1024 positions, 12 layers of width 768; the
-    output head is tied to the token embedding."""
-    h, shapes = 768, [(50257, 768), (1024, 768)]
-    for _ in range(12):
-        shapes += [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, 4 * h), (4 * h,), (4 * h, h), (h,)]
-    return shapes + [(h,), (h,)]
-
-
-def llama_like(vocab, hidden, layers, intermediate, heads, kv_heads, qkv_bias):
-    """A Llama/Qwen2-style decoder: grouped-query attention, SwiGLU MLP, RMSNorm,
-    tied embeddings."""
-    head_dim = hidden // heads
-    kv = kv_heads * head_dim
-    shapes = [(vocab, hidden)]
-    for _ in range(layers):
-        shapes += [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden)]
-        if qkv_bias:
-            shapes += [(hidden,), (kv,), (kv,)]
-        shapes += [(intermediate, hidden), (intermediate, hidden), (hidden, intermediate), (hidden,), (hidden,)]
-    return shapes + [(hidden,)]
-
-
-MODELS = {
-    "gpt2": ("GPT-2 124M (vocab 50257, h 768)", gpt2_124m),
-    "qwen2.5-0.5b": ("Qwen2.5-0.5B-like (vocab 151936, h 896, 24 layers, GQA)",
-                     lambda: llama_like(151936, 896, 24, 4864, 14, 2, qkv_bias=True)),
-    "llama3.2-1b": ("Llama-3.2-1B-like (vocab 128256, h 2048, 16 layers, GQA)",
-                    lambda: llama_like(128256, 2048, 16, 8192, 32, 8, qkv_bias=False)),
-}
+# The public shapes this benchmark reports (swap_optimizer.presets has more).
+MODELS = ("gpt2-124m", "qwen2.5-0.5b", "llama-3.2-1b")
 MIN_NUMEL = 1024
 
 
@@ -83,7 +56,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--swap-times", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--num-arenas", type=int, default=2)
-    parser.add_argument("--real-step", choices=["gpt2", "all", "none"], default="gpt2",
+    parser.add_argument("--real-step", choices=[*MODELS, "all", "none"], default="gpt2-124m",
                         help="also run one real CPU step for these shapes (all: about 10 GB of host memory)")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
@@ -96,8 +69,9 @@ def main(argv=None) -> int:
     print("| model shape | params | largest tensor | swap_times | staging share | ideal | over ideal "
           "| whole-param floor | batches | split params | host copies per batch (max) | real step |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for key, (title, make) in MODELS.items():
-        shapes = make()
+    for key in MODELS:
+        title, model = PRESETS[key]
+        shapes = model.param_shapes()
         numels = [torch.Size(s).numel() for s in shapes]
         total, largest = sum(numels), max(numels)
         for swap_times in args.swap_times:

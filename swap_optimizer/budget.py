@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -36,6 +38,31 @@ def _measured_link(device: torch.device) -> tuple[float, float, float]:
     return _C.measure_copy_bandwidth(device, _LINK_PROBE_BYTES, 3)
 
 
+_UPDATE_PROBE_NUMEL = 1 << 21  # an fp32 param of 8 MiB: 16 MiB of AdamW state
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_update(device: torch.device) -> float:
+    """Bytes of state the fused AdamW update goes through per second on
+    `device` (median of 3 calls on one packed arena)."""
+    from .ops import fused_adam_packed, plan_packed_layout
+    param = torch.randn(_UPDATE_PROBE_NUMEL, device=device)
+    grad = torch.randn_like(param)
+    layout, arena_bytes = plan_packed_layout([param])
+    arena = torch.zeros(arena_bytes, dtype=torch.uint8, device=device)
+    steps = torch.zeros(1, dtype=torch.float32, device=device)
+    timings = []
+    for _ in range(4):  # the first call warms up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fused_adam_packed([param], [grad], arena, layout, steps, lr=1e-3)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        timings.append(time.perf_counter() - start)
+    return arena_bytes / max(statistics.median(timings[1:]), 1e-9)
+
+
 @dataclass(frozen=True)
 class StepCostModel:
     """What one step costs: the link's bandwidths (bytes per second host to
@@ -43,9 +70,10 @@ class StepCostModel:
     throughput (bytes of staged state updated per second), and a fixed cost per
     batch (copy set-up and launches) and per step (the step table, events).
 
-    StepCostModel.for_device(device) measures the link once per process through
-    the runtime's own transport and takes the other figures from defaults;
-    pass your own to SwapOptimizer(cost_model=...) to plan for other figures."""
+    StepCostModel.for_device(device) measures the link (through the runtime's
+    own transport) and the fused AdamW update once per process, and takes the
+    fixed costs from defaults; pass your own to SwapOptimizer(cost_model=...)
+    to plan for other figures."""
 
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
@@ -64,15 +92,16 @@ class StepCostModel:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
                 raise ValueError(f"StepCostModel.{name} must be a finite number >= 0, got {value!r}")
 
-    # Defaults where nothing is measured: the fused update streams its state
-    # at a fraction of HBM bandwidth on a GPU, and at a few GB/s on a CPU core
-    # pair; a batch costs a few copy and kernel launches.
+    # The fixed costs are defaults: a batch costs a few copies and kernel
+    # launches (on the CPU backend, hand-offs between threads).
     @classmethod
     def for_device(cls, device: torch.device) -> "StepCostModel":
-        h2d, d2h, both = _measured_link(torch.device(device))
-        if torch.device(device).type == "cuda":
-            return cls(h2d, d2h, both, update_bytes_per_s=1.0e12, batch_seconds=20e-6, step_seconds=100e-6)
-        return cls(h2d, d2h, both, update_bytes_per_s=4.0e9, batch_seconds=50e-6, step_seconds=200e-6)
+        device = torch.device(device)
+        h2d, d2h, both = _measured_link(device)
+        update = _measured_update(device)
+        if device.type == "cuda":
+            return cls(h2d, d2h, both, update_bytes_per_s=update, batch_seconds=20e-6, step_seconds=100e-6)
+        return cls(h2d, d2h, both, update_bytes_per_s=update, batch_seconds=50e-6, step_seconds=200e-6)
 
     def describe(self) -> str:
         return (f"link {self.h2d_bytes_per_s / 1e9:.1f} GB/s in, {self.d2h_bytes_per_s / 1e9:.1f} GB/s out, "

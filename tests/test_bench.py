@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from swap_optimizer.bench import runner
 from swap_optimizer.bench.__main__ import main
 
 ROW_KEYS = {"mode", "kind", "swap_times", "num_arenas", "master_weights", "peak_train_bytes", "peak_step_bytes",
@@ -72,6 +73,9 @@ def test_bf16_runs_with_and_without_master_weights(tmp_path):
     (["--timeline", "t.png"], "add --overlap"),
     (["--overlap", "--timeline", "t.svg"], "ending in .png"),
     (["--preset", "1.3b", "--batch-size", "64"], "needs about .* GiB .* free; pick a smaller --preset"),
+    (["--resident-shares", "0,1.5"], r"fractions in \[0, 1\]"),
+    (["--resident-shares", "half"], r"fractions in \[0, 1\]"),
+    (["--resident-shares", "0.5,0.5"], "each share once"),
 ])
 def test_argument_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -109,8 +113,8 @@ def test_staging_share_of_public_model_shapes_meets_the_target(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     rows = json.loads(report.read_text())
-    assert {(r["model"], r["swap_times"]) for r in rows} == {(m, s) for m in ("gpt2", "qwen2.5-0.5b", "llama3.2-1b")
-                                                             for s in (8, 16, 32)}
+    models = ("gpt2-124m", "qwen2.5-0.5b", "llama-3.2-1b")  # swap_optimizer.presets' names
+    assert {(r["model"], r["swap_times"]) for r in rows} == {(m, s) for m in models for s in (8, 16, 32)}
     for row in rows:
         assert row["share"] - row["ideal"] <= 0.01, row
         assert row["whole_param_floor"] > 0.4 and row["split_params"] > 0 and row["max_host_copies"] <= 5
@@ -210,3 +214,48 @@ def test_another_optimizer_overlaps_too(tmp_path, capsys):
     report, _ = run(tmp_path, "--optimizer", "sgd", "--swap-times", "2", "--num-arenas", "2", "--overlap")
     assert [row["mode"] for row in report["modes"]] == ["resident", "swap s2 a2", "swap s2 a2 overlap"]
     assert "loop vs resident" in capsys.readouterr().out
+
+
+def test_resident_share_sweep_moves_less_as_the_share_rises(tmp_path, monkeypatch, capsys):
+    """--resident-shares: a swap mode per share beside resident, at the first
+    swap_times and num_arenas, under the budget that keeps that share of the
+    state resident. The share reached rises with the target and the bytes
+    moved fall; at share 1 only the step table still crosses. Each row's
+    figures are its optimizer's memory_stats(). No timing assertions."""
+    built = {}
+
+    def build_and_keep(mode, model):
+        built[mode.name] = optimizer = build_optimizer(mode, model)
+        return optimizer
+
+    build_optimizer = runner.build_optimizer
+    monkeypatch.setattr(runner, "build_optimizer", build_and_keep)
+    report, _ = run(tmp_path, "--repeats", "2", "--swap-times", "8,4", "--num-arenas", "2",
+                    "--resident-shares", "0,0.5,1")
+    assert report["settings"]["resident_shares"] == [0.0, 0.5, 1.0]
+    rows = {row["mode"]: row for row in report["modes"]}
+    names = [f"swap s8 a2 share {share}" for share in ("0", "0.5", "1")]
+    assert list(rows) == ["resident", "swap s8 a2", "swap s4 a2"] + names
+    sweep = [rows[name] for name in names]
+    for row, target in zip(sweep, (0.0, 0.5, 1.0)):
+        stats = built[row["mode"]].memory_stats()
+        assert row["target_share"] == target and (row["swap_times"], row["num_arenas"]) == (8, 2)
+        # Kept, so only the share changes (with nothing swapped, the plan names a single batch).
+        assert (stats["plan"]["swap_times"], stats["plan"]["num_arenas"]) == ((8 if stats["batches"] else 1), 2)
+        assert (row["h2d_bytes"], row["d2h_bytes"], row["host_bytes"]) == (
+            stats["h2d_bytes"], stats["d2h_bytes"], stats["host_state_bytes"])
+        assert row["resident_share"] == stats["resident_share"]
+        assert row["device_budget_bytes"] == stats["device_budget_bytes"] >= stats["plan"]["device_bytes"]["total"]
+        assert row["predicted_step_ms"] == stats["plan"]["predicted_step_seconds"] * 1e3 > 0
+    shares = [row["resident_share"] for row in sweep]
+    moved = [row["h2d_bytes"] for row in sweep]
+    assert shares[0] < shares[1] < shares[2] and moved[0] > moved[1] > moved[2]
+    # Share 0 is the budget of the plan without one: the same plan as the plain mode.
+    assert (sweep[0]["h2d_bytes"], sweep[0]["resident_share"]) == (rows["swap s8 a2"]["h2d_bytes"],
+                                                                   rows["swap s8 a2"]["resident_share"])
+    # Share 1: every state resident, no batch; the step table alone still moves each way.
+    final = sweep[2]
+    assert final["resident_share"] == pytest.approx(1.0, abs=1e-3) and final["batches"] == 0
+    assert 0 < final["h2d_bytes"] == final["d2h_bytes"] == final["host_bytes"] <= final["step_table_bytes"]
+    out = capsys.readouterr().out
+    assert "| swap s8 a2 share 0.5 |" in out and "predicted step() ms" in out and "step() vs resident" in out

@@ -60,6 +60,18 @@ def _state_modes(text: str) -> tuple[str, ...]:
     return values
 
 
+def _shares(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 <= v <= 1 for v in values):  # NaN fails the range too
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions in [0, 1], got {text!r}")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected each share once, got {text!r}")
+    return values
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m swap_optimizer.bench",
@@ -83,6 +95,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state-modes", type=_state_modes, default=("default",),
                    help=f"comma-separated state forms of the swap modes, from {', '.join(STATE_MODES)} "
                         "(kahan ones need --dtype bf16 or fp16; default: default)")
+    p.add_argument("--resident-shares", type=_shares, default=[], metavar="0,0.25,...",
+                   help="add a swap mode per share at the first --swap-times and --num-arenas, with the device budget "
+                        "that keeps that fraction of the swappable state resident (the plan's device bytes with no "
+                        "extra residents plus the share of the state)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
                    help="the optimizer every mode runs (default adamw; master weights, --state-modes other than "
                         "default and the torchao peer are AdamW's only; --overlap runs with all but muon)")
@@ -187,7 +203,7 @@ def main(argv=None) -> int:
     if dtype == torch.float32 and any(state.startswith("kahan") for state in args.state_modes):
         p.error("--state-modes kahan+...: Kahan summation applies to 16-bit params; add --dtype bf16 or fp16")
     modes = make_modes(device, dtype, args.swap_times, args.num_arenas, args.state_modes, args.overlap,
-                       args.optimizer)
+                       args.optimizer, args.resident_shares)
     timeline_mode = next((m for m in modes if m.overlap), None) if args.timeline else None
     named = OPTIMIZERS[args.optimizer][0].__name__ + (" (+ resident AdamW for the rest)" if args.optimizer == "muon"
                                                       else "")
@@ -223,6 +239,7 @@ def main(argv=None) -> int:
               "settings": {"optimizer": args.optimizer, "warmup": warmup, "repeats": args.repeats,
                            "swap_times": args.swap_times,
                            "num_arenas": args.num_arenas, "overlap": args.overlap,
+                           "resident_shares": args.resident_shares,
                            "memory": "runtime accounting" if cpu else "torch.cuda.max_memory_allocated",
                            "times": "perf_counter (CPU)" if cpu else "CUDA events"},
               "modes": rows}

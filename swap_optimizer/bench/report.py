@@ -41,6 +41,17 @@ def _loop_cells(row: dict, resident: Optional[dict]) -> list[str]:
     return [_ms(ms), "-" if ms is None or not base else f"{ms / base:.2f}"]
 
 
+def _share(value) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _share_cells(row: dict, resident: Optional[dict]) -> list[str]:
+    """A resident-share sweep's cells: the target and the share reached, the
+    plan's predicted step() beside the measured one's ratio to resident."""
+    ratio = "-" if resident is None else f"{row['step_ms'] / resident['step_ms']:.2f}"
+    return [_share(row["target_share"]), _share(row.get("resident_share")), _ms(row.get("predicted_step_ms")), ratio]
+
+
 def table(rows: list[dict], cpu: bool) -> str:
     """The results as a Markdown table, with ratios against the resident mode."""
     resident = next((r for r in rows if r["kind"] == "resident"), None)
@@ -51,10 +62,14 @@ def table(rows: list[dict], cpu: bool) -> str:
     loop = any("loop_step_ms" in r for r in rows)
     if loop:  # --overlap: whole training steps back to back, the same way for every mode
         header += ["loop train step ms", "loop vs resident"]
+    sweep = any(r["target_share"] is not None for r in rows)
+    if sweep:  # --resident-shares
+        header += ["target share", "resident share", "predicted step() ms", "step() vs resident"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
 
-    def default_of(r):  # the same batching with default (torch) state: the ratio's base
+    def default_of(r):  # the same batching with default (torch) state and no budget: the ratio's base
         return next((d for d in rows if d["kind"] == "swap" and d.get("state") == "default" and not d["master_weights"]
+                     and d["target_share"] is None
                      and (d["swap_times"], d["num_arenas"]) == (r["swap_times"], r["num_arenas"])), None)
 
     for r in rows:
@@ -67,7 +82,8 @@ def table(rows: list[dict], cpu: bool) -> str:
                                          _ms(r["step_ms"]), _ms(r["train_step_ms"]), _mib(r["h2d_bytes"]),
                                          _mib(r["d2h_bytes"]), "-" if per_param is None else f"{per_param:.2f}",
                                          _ms(r["floor_ms"]), over, versus, _mib(r["host_bytes"])]
-                            + (_loop_cells(r, resident) if loop else [])) + " |")
+                            + (_loop_cells(r, resident) if loop else [])
+                            + (_share_cells(r, resident) if sweep else [])) + " |")
     return "\n".join(lines)
 
 

@@ -2,7 +2,8 @@
 
 A mode is one optimizer set-up on a fresh copy of the same model: resident
 (torch's fused AdamW), SwapOptimizer at one (swap_times, num_arenas, master
-weights) setting, or a peer (torchao's CPUOffloadOptimizer, when importable).
+weights) setting, possibly with a device budget that keeps a target share of its
+state resident, or a peer (torchao's CPUOffloadOptimizer, when importable).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -33,6 +34,7 @@ class Mode:
     state: str = "default"  # a key of STATE_MODES
     overlap: bool = False   # overlap_forward=True: the step runs beside the next forward
     optimizer: str = "adamw"  # a key of OPTIMIZERS
+    target_share: Optional[float] = None  # a device budget keeping this share of the swappable state resident
 
 
 # The optimizers --optimizer picks: (class, hyper-parameters). The resident
@@ -99,7 +101,7 @@ class Result:
         row = {"mode": self.mode.name, "kind": self.mode.kind, "overlap": self.mode.overlap,
                "swap_times": self.mode.swap_times,
                "num_arenas": self.mode.num_arenas, "master_weights": self.mode.master_weights,
-               "state": self.mode.state,
+               "state": self.mode.state, "target_share": self.mode.target_share,
                "peak_train_bytes": self.peak_train_bytes, "peak_step_bytes": self.peak_step_bytes,
                "step_ms": self.step_seconds * 1e3, "train_step_ms": self.train_seconds * 1e3,
                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "host_bytes": self.host_bytes,
@@ -119,10 +121,13 @@ def torchao_offload_class():
 
 
 def make_modes(device: torch.device, dtype: torch.dtype, swap_times: list[int], num_arenas: list[int],
-               states: tuple[str, ...] = ("default",), overlap: bool = False, optimizer: str = "adamw") -> list[Mode]:
+               states: tuple[str, ...] = ("default",), overlap: bool = False, optimizer: str = "adamw",
+               resident_shares: Sequence[float] = ()) -> list[Mode]:
     """Resident, then each swap setting (with overlap: followed by its
-    overlapped twin), then peers. Master weights, compact states and the
-    torchao peer are AdamW's only."""
+    overlapped twin), then one swap mode per resident share at the first
+    swap_times and num_arenas (default state, no overlap: the share is all
+    that changes), then peers. Master weights, compact states and the torchao
+    peer are AdamW's only."""
     adamw = optimizer == "adamw"
     modes = [Mode("resident", "resident", optimizer=optimizer)]
     for state in states:
@@ -135,6 +140,9 @@ def make_modes(device: torch.device, dtype: torch.dtype, swap_times: list[int], 
                                       optimizer=optimizer))
                     if overlap:
                         modes.append(replace(modes[-1], name=modes[-1].name + " overlap", overlap=True))
+    for share in resident_shares:
+        modes.append(Mode(f"swap s{swap_times[0]} a{num_arenas[0]} share {share:g}", "swap", swap_times[0],
+                          num_arenas[0], optimizer=optimizer, target_share=share))
     if device.type == "cuda" and adamw and torchao_offload_class() is not None:
         modes.append(Mode("torchao CPUOffloadOptimizer", "torchao"))
     return modes
@@ -195,31 +203,53 @@ class MuonWithAdamW:
         return stats
 
 
+def budget_for_share(probe: SwapOptimizer, share: float) -> int:
+    """The device budget that keeps about `share` of the swappable state
+    resident at the probe's swap_times and num_arenas: the device bytes of the
+    probe's plan (nothing resident beyond min_numel and state_keys) plus that
+    share of the state it swaps (its host store less the step table). The
+    planner fills the room param by param, and what it adds shrinks the
+    arenas, so the share it reaches is near the target, not equal."""
+    stats = probe.memory_stats()
+    swappable_bytes = stats["host_state_bytes"] - stats["step_table_bytes"]
+    return probe.plan_report()["chosen"]["device_bytes"] + round(share * swappable_bytes)
+
+
+def swap_optimizer(make_inner: Callable[[], torch.optim.Optimizer], mode: Mode, **fields) -> SwapOptimizer:
+    """SwapOptimizer over make_inner() at the mode's swap_times and num_arenas;
+    with a target share, under the budget read off a probe built without one
+    (unpinned: the plan does not depend on it, and pinning a large store takes
+    seconds)."""
+    settings = dict(fields, swap_times=mode.swap_times, num_arenas=mode.num_arenas)
+    if mode.target_share is not None:
+        probe = SwapOptimizer(make_inner(), **settings, pin_memory=False)
+        settings["device_budget_bytes"] = budget_for_share(probe, mode.target_share)
+    return SwapOptimizer(make_inner(), **settings)
+
+
 def _muon_and_adamw(mode: Mode, model: GPT) -> MuonWithAdamW:
     matrices = [p for name, p in model.named_parameters() if p.dim() == 2 and not name.endswith("embedding.weight")]
     taken = {id(p) for p in matrices}
     adamw = torch.optim.AdamW([p for p in model.parameters() if id(p) not in taken], lr=LR, fused=True)
-    muon = torch.optim.Muon(matrices, lr=LR)
     if mode.kind == "swap":
-        muon = SwapOptimizer(muon, swap_times=mode.swap_times, num_arenas=mode.num_arenas)
-    return MuonWithAdamW(muon, adamw)
+        return MuonWithAdamW(swap_optimizer(lambda: torch.optim.Muon(matrices, lr=LR), mode), adamw)
+    return MuonWithAdamW(torch.optim.Muon(matrices, lr=LR), adamw)
 
 
 def build_optimizer(mode: Mode, model: GPT):
-    params = model.parameters()
     if mode.optimizer == "muon" and mode.kind in ("resident", "swap"):
         return _muon_and_adamw(mode, model)
     cls, hyper = OPTIMIZERS[mode.optimizer]
     if mode.kind == "resident":
-        return cls(params, **hyper, **(dict(fused=True) if mode.optimizer == "adamw" else {}))
+        return cls(model.parameters(), **hyper, **(dict(fused=True) if mode.optimizer == "adamw" else {}))
     if mode.kind == "torchao":
-        return torchao_offload_class()(params, torch.optim.AdamW, lr=LR, fused=True)
+        return torchao_offload_class()(model.parameters(), torch.optim.AdamW, lr=LR, fused=True)
     fields = STATE_MODES[mode.state] or (dict(master_weights=mode.master_weights,
                                               state_dtype=torch.float32 if mode.master_weights else None)
                                          if mode.optimizer == "adamw" else {})
     if mode.overlap:
         fields = dict(fields, model=model, overlap_forward=True)
-    return SwapOptimizer(cls(params, **hyper), swap_times=mode.swap_times, num_arenas=mode.num_arenas, **fields)
+    return swap_optimizer(lambda: cls(model.parameters(), **hyper), mode, **fields)
 
 
 def resident_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -387,7 +417,11 @@ def run_mode(mode: Mode, config: GPTConfig, dtype: torch.dtype, device: torch.de
         extra.update({"peak_staging_bytes": stats["peak_staging_bytes"],
                       "resident_state_bytes": stats["resident_state_bytes"],
                       "bytes_per_param_each_way": stats["bytes_per_param_each_way"],
-                      "batches": stats["batches"], "arenas_used": stats["num_arenas"], "pinned": stats["pinned"]})
+                      "batches": stats["batches"], "arenas_used": stats["num_arenas"], "pinned": stats["pinned"],
+                      "step_table_bytes": stats["step_table_bytes"], "resident_share": stats["resident_share"]})
+        if mode.target_share is not None:
+            extra.update({"device_budget_bytes": stats["device_budget_bytes"], "plan": stats["plan"],
+                          "predicted_step_ms": stats["plan"]["predicted_step_seconds"] * 1e3})
     elif mode.kind == "torchao":
         # It moves grads to the host and updated params back, and keeps fp32 params and states there.
         numel = sum(p.numel() for p in model.parameters())
@@ -407,6 +441,9 @@ def run_mode(mode: Mode, config: GPTConfig, dtype: torch.dtype, device: torch.de
             on_device = resident_state_bytes(optimizer)
         peak_train = peak_step = 2 * model_bytes + on_device
     # An overlapped step() only enqueues: its time says nothing against the copy floor.
-    floor = bandwidth.floor_seconds(h2d, d2h, two_way) if (h2d or d2h) and not mode.overlap else None
+    # The copy floor bounds a step that streams its state; a sweep row updates part of it resident, and has
+    # the cost model's prediction instead.
+    floor = bandwidth.floor_seconds(h2d, d2h, two_way) if (h2d or d2h) and not mode.overlap \
+        and mode.target_share is None else None
     return Result(mode, peak_train, peak_step, statistics.median(step_times), statistics.median(train_times),
                   h2d, d2h, host, floor, extra)
