@@ -24,6 +24,8 @@ _SWAP_TIMES_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 25
 # its copy of 64 KiB) counts double, up to the finest split, and are weighed
 # only when nothing on the ladder fits.
 _ARENA_CHOICES = (2, 3, 4)
+# Params the planner tries one by one, with a plan each, after its greedy fill.
+_EXACT_TRIES = 16
 _LINK_PROBE_BYTES = 32 << 20
 
 
@@ -261,6 +263,22 @@ def _fill(lay_out: LayOut, base: list[bool], start: list[bool], priority: Sequen
             swappable[added.pop()] = True
             trial = evaluate(lay_out, swappable, swap_times, num_arenas, base, extra_bytes, cost_model)
         choice = trial
+    # What a resident param costs beyond its states (torch's update temporaries
+    # for the resident batch's call, a larger arena) shows only in a plan:
+    # params given back above, or passed over, are tried one by one.
+    tries = 0
+    for i in candidates:
+        if not swappable[i] or state_bytes[i] + 8 * 256 > budget - choice.device["total"]:
+            continue
+        if tries == _EXACT_TRIES:
+            break
+        tries += 1
+        swappable[i] = False
+        trial = evaluate(lay_out, swappable, swap_times, num_arenas, base, extra_bytes, cost_model)
+        if trial.device["total"] <= budget:
+            choice = trial
+        else:
+            swappable[i] = True
     return choice
 
 
@@ -360,10 +378,16 @@ def neighbours(lay_out: LayOut, chosen: PlanChoice, base: list[bool], budget: Op
     candidate resident kept resident."""
     finest = chosen.summary["finest_swap_times"]
     out = []
+
+    def layout_key(c: PlanChoice) -> tuple:
+        return (c.summary["batches"], c.summary["largest_arena_bytes"], min(c.num_arenas, c.summary["batches"]))
+
     for s, a in ((chosen.swap_times // 2, chosen.num_arenas), (chosen.swap_times * 2, chosen.num_arenas),
                  (chosen.swap_times, chosen.num_arenas - 1), (chosen.swap_times, chosen.num_arenas + 1)):
         if 1 <= s <= max(1, finest) and a >= 2:
-            out.append(evaluate(lay_out, chosen.swappable, s, a, base, extra_bytes, cost_model))
+            other = evaluate(lay_out, chosen.swappable, s, a, base, extra_bytes, cost_model)
+            if layout_key(other) != layout_key(chosen):  # not the same plan under another count
+                out.append(other)
     if chosen.resident_params:
         out.append(evaluate(lay_out, list(base), chosen.swap_times, chosen.num_arenas, base, extra_bytes, cost_model))
     return out
