@@ -40,7 +40,7 @@ def _measured_link(device: torch.device) -> tuple[float, float, float]:
     return _C.measure_copy_bandwidth(device, _LINK_PROBE_BYTES, 3)
 
 
-_UPDATE_PROBE_NUMEL = 1 << 21  # an fp32 param of 8 MiB: 16 MiB of AdamW state
+_UPDATE_PROBE_NUMEL = 1 << 21  # an fp32 param of 8 MiB: 16 MiB of AdamW state (8x on a GPU)
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,8 +48,10 @@ def _measured_update(device: torch.device) -> float:
     """Bytes of state the fused AdamW update goes through per second on
     `device` (median of 3 calls on one packed arena)."""
     from .ops import fused_adam_packed, plan_packed_layout
-    param = torch.randn(_UPDATE_PROBE_NUMEL, device=device)
-    grad = torch.randn_like(param)
+    numel = _UPDATE_PROBE_NUMEL * (8 if device.type == "cuda" else 1)  # on a GPU, long enough to outlast a launch
+    generator = torch.Generator(device=device).manual_seed(0)  # the global one is the user's
+    param = torch.randn(numel, device=device, generator=generator)
+    grad = torch.randn(numel, device=device, generator=generator)
     layout, arena_bytes = plan_packed_layout([param])
     arena = torch.zeros(arena_bytes, dtype=torch.uint8, device=device)
     steps = torch.zeros(1, dtype=torch.float32, device=device)
@@ -122,11 +124,12 @@ class StepCostModel:
         resident = sum(b["arena_bytes"] for b in summary["plan"] if b["resident"])
         compute_free = resident / self.update_bytes_per_s + (self.batch_seconds if resident else 0.0)
         update_seconds = compute_free
-        shared_queue = num_arenas < 3
+        shared_queue = min(num_arenas, len(rotating)) < 3  # as the runtime: two queues from 3 arenas in use
         rate_in, rate_out = self.h2d_bytes_per_s, self.d2h_bytes_per_s
-        if not shared_queue and len(rotating) > 1:  # both directions move at once for most of the step
-            rate_in = min(rate_in, self.both_bytes_per_s * rate_in / (rate_in + rate_out))
-            rate_out = min(rate_out, self.both_bytes_per_s * rate_out / (rate_in + rate_out))
+        if not shared_queue:  # both directions move at once for most of the step
+            both = self.h2d_bytes_per_s + self.d2h_bytes_per_s
+            rate_in, rate_out = (min(self.h2d_bytes_per_s, self.both_bytes_per_s * self.h2d_bytes_per_s / both),
+                                 min(self.d2h_bytes_per_s, self.both_bytes_per_s * self.d2h_bytes_per_s / both))
         in_free = out_free = 0.0
         unstaged: list[float] = []
         updated: list[float] = []
@@ -167,9 +170,10 @@ class StepCostModel:
 def device_bytes(summary: dict, num_arenas: int, extra_bytes: int) -> dict:
     """The device bytes a plan takes, as the budget counts them: the resident
     store, min(num_arenas, batches) arenas, the step table (each one
-    allocation, rounded as the allocator rounds), torch's update temporaries
-    where the plan's summary has them, and `extra_bytes` (contiguous copies of
-    strided grads and params, GradScaler's clones)."""
+    allocation, rounded as the allocator rounds), what the update allocates
+    beside them where the plan's summary says (torch's temporaries; the fused
+    Adam op's device table), and `extra_bytes` (contiguous copies of strided
+    params and their grads, GradScaler's clones)."""
     arenas = min(num_arenas, summary["batches"]) * allocated(summary["largest_arena_bytes"])
     parts = dict(resident_state=allocated(summary["resident_state_bytes"]), arenas=arenas,
                  step_table=allocated(summary["step_table_bytes"]),
@@ -324,9 +328,11 @@ def choose_plan(lay_out: LayOut, base: list[bool], priority: Sequence[int], budg
                                            c.num_arenas))
 
     weigh(list(base))
-    if not weighed:
-        counts = more_counts
+    for count in more_counts if not weighed else []:  # finer, the first that fits: later ones only add batches
+        counts = [count]
         weigh(list(base))
+        if weighed:
+            break
     if not weighed:
         return None, []
     # Filling greedily at each count may keep a large param resident at one
@@ -344,7 +350,7 @@ def smallest_device_bytes(lay_out: LayOut, base: list[bool], extra_bytes: int, s
     least = None
     residents = 0
     for a in [num_arenas] if num_arenas is not None else [2]:
-        for s in [swap_times] if swap_times is not None else range(max(1, finest - 8), finest + 1):
+        for s in [swap_times] if swap_times is not None else range(max(1, finest - 2), finest + 1):
             summary = lay_out(list(base), s, a)
             total = device_bytes(summary, a, extra_bytes)
             residents = total["resident_state"]
@@ -402,6 +408,21 @@ def report(chosen: PlanChoice, others: list[PlanChoice], budget: Optional[int], 
         return values
     return PlanReport(budget_bytes=budget, cost_model=cost_model.describe(), chosen=row(chosen),
                       neighbours=[row(c) for c in others], advice=advice)
+
+
+def fused_op_table_bytes(plan: list[dict]) -> int:
+    """A bound on the device table the fused Adam op's CUDA kernel copies up
+    for its call on a batch (csrc/kernels/cuda/fused_adam_cuda.cu: per row a
+    step reference, step scalars and a descriptor of at most 136 bytes, 8
+    bytes per chunk of 16,384 elements, the 8-bit code maps, alignment), for
+    the largest batch, twice: the next call's table may be allocated before the
+    last one's is freed in stream order."""
+    largest = 0
+    for batch in plan:
+        rows = len(batch["pieces"])
+        chunks = sum(-(-count // 16384) for _, _, count in batch["pieces"])
+        largest = max(largest, 1024 + 164 * rows + 8 * chunks + 2048)
+    return 2 * allocated(largest) if plan else 0
 
 
 def copy_bytes(params: Sequence[torch.Tensor], amp_clones: bool) -> int:
@@ -482,7 +503,7 @@ class Planning:
         if budget is not None:
             choice = plan_for_budget(config, budget, lay_out, base, copies, device)
             swap_times, num_arenas = choice.swap_times, choice.num_arenas
-        elif config.staging_budget_bytes is not None:
+        elif config.staging_budget_bytes is not None and config.swap_times is None:  # ("auto" before its budget)
             swap_times = staging_budget_swap_times()
         return cls(lay_out, base, copies, budget, choice, swap_times, num_arenas,
                    **({} if advice is None else dict(advice=advice)))
@@ -543,12 +564,20 @@ class AutoBudget:
             now = torch.cuda.memory_allocated(device)
         else:
             free = peak = now = None
-        budget = -1 if free is None else max(0, now + free - (peak - held_bytes) - self.headroom_bytes)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            on = device if device.type == "cuda" and torch.distributed.get_backend() == "nccl" else "cpu"
-            least = torch.tensor([budget], dtype=torch.int64, device=on)
-            torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
-            budget = int(least.item())
+        budget = self.least_over_ranks(-1 if free is None else
+                                       max(0, now + free - (peak - held_bytes) - self.headroom_bytes), device)
         self.measured = dict(at_step=self.steps_seen, free_bytes=free, peak_bytes=peak, allocated_bytes=now,
                              held_bytes=held_bytes, budget_bytes=None if budget < 0 else budget)
         return None if budget < 0 else budget
+
+    @staticmethod
+    def least_over_ranks(value: int, device: torch.device) -> int:
+        """The least `value` of all ranks of the default process group (every
+        rank must reach this step with an "auto" optimizer); `value` alone
+        without torch.distributed."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return value
+        on = device if device.type == "cuda" and torch.distributed.get_backend() == "nccl" else "cpu"
+        least = torch.tensor([value], dtype=torch.int64, device=on)
+        torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+        return int(least.item())

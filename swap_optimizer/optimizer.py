@@ -17,11 +17,12 @@ import torch
 
 from . import _C
 from .compact import FORMAT_KEY, MIN_QUANTIZED_NUMEL, MOMENTS, code_map, state_format
-from .budget import AutoBudget, Planning, allocated, budget_stats, copy_bytes, plan_for_budget
+from .budget import (AutoBudget, Planning, allocated, budget_stats, copy_bytes, fused_op_table_bytes,
+                     plan_for_budget)
 from .config import SwapOptimizerConfig
 from .distributed import (_check_fsdp_8bit, _global_offset, _is_dtensor, _like_param, _local,
                           _shared_default_seed, _sharded_scales)
-from .overlap import ForwardOverlap, capturing
+from .overlap import ForwardOverlap, capturing, signals_after_the_step
 from .rules import DECLARATIONS, REFUSED, declaration_for
 from .state_dicts import checked_adam_state, write_adam_states
 
@@ -372,8 +373,10 @@ class SwapOptimizer(torch.optim.Optimizer):
         state_dtype = self.config.state_dtype  # (the closures keep no reference to this optimizer)
 
         def lay_out(swappable: list[bool], swap_times: int, num_arenas: int) -> dict:
-            return lay_out_as(swappable, swap_times=swap_times, num_arenas=num_arenas, state_dtype=state_dtype,
-                              quantized_params=quantized_params)
+            summary = lay_out_as(swappable, swap_times=swap_times, num_arenas=num_arenas, state_dtype=state_dtype,
+                                 quantized_params=quantized_params)
+            summary["update_temporary_bytes"] = fused_op_table_bytes(summary["plan"])
+            return summary
 
         def advice(chosen, cost_model) -> list[str]:
             """Compact states the user may opt into, with what they would move
@@ -513,7 +516,6 @@ class SwapOptimizer(torch.optim.Optimizer):
         stepped = False
         try:
             self._follow_param_groups("step")
-            deferred = self._overlap is not None and self._overlap.may_defer()  # after any rebuild
             groups = self.param_groups
             group_args = []
             for index, group in enumerate(groups):
@@ -529,7 +531,8 @@ class SwapOptimizer(torch.optim.Optimizer):
                 _check_distinct(params)
                 self._data_pointers = data_pointers
             self._sync_outside_changes(params)
-            self._settle_auto_budget()
+            self._settle_auto_budget()  # may move the (synced) store to a new plan
+            deferred = self._overlap is not None and self._overlap.may_defer()  # after any rebuild or move
             grads = [None if p.grad is None else _local(p.grad) for p in params]
             state = self.__dict__["_state"]
             for i, (p, grad) in enumerate(zip(params, grads)):
@@ -752,12 +755,17 @@ class SwapOptimizer(torch.optim.Optimizer):
             warnings.warn("SwapOptimizer: device_budget_bytes='auto' has no device memory to measure on the CPU; the "
                           "plan stays as given (pass a number to plan for one)", RuntimeWarning, stacklevel=4)
             return
+        refusal = None
         try:  # planned first, nothing allocated: a budget no plan fits leaves the store as it is
             plan_for_budget(self.config, budget, planning.lay_out, planning.base, planning.copy_bytes, self._device)
         except ValueError as error:
+            refusal = str(error)
+        # Every rank moves, or none does (each plans for its own shards).
+        if not self._auto.least_over_ranks(int(refusal is None), self._device):
             self._auto.measured["budget_bytes"] = None
-            warnings.warn(f"SwapOptimizer: device_budget_bytes='auto' derived {budget} bytes, in which no plan fits "
-                          f"({error}); the plan stays as given", RuntimeWarning, stacklevel=4)
+            why = f"in which no plan fits ({refusal})" if refusal else "in which another rank's states find no plan"
+            warnings.warn(f"SwapOptimizer: device_budget_bytes='auto' derived {budget} bytes, {why}; the plan stays "
+                          "as given", RuntimeWarning, stacklevel=4)
             return
         self._move_to_new_plan()
         stats = self.memory_stats()
@@ -770,20 +778,23 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Lays the store out for the budget now in force and moves every state
         into it byte for byte. The device part of the old store is copied to
         host memory and freed before the new store is allocated, so no state is
-        on the device twice. If the new store cannot be made, the old plan is
-        laid out again and filled from the same bytes, and the error raised."""
-        saved = [{key: view.to("cpu", copy=True) if view.device.type != "cpu" else view
-                  for key, view in views.items()} for views in self._views]
-        kept = self._bookkeeping()
-        self._release_store()
-        try:
-            self._lay_out_empty()
-        except BaseException:
-            self._auto.measured["budget_bytes"] = None
-            self._lay_out_empty()
-            self._fill_store(saved, kept)
-            raise
-        self._fill_store(saved, kept)
+        on the device twice. If the new store cannot be made or filled, the old
+        plan is laid out again and filled from the same bytes, and the error
+        raised; signals wait until one of them is whole."""
+        with signals_after_the_step():  # a Ctrl-C is raised once every state is in a whole store
+            saved = [{key: view.to("cpu", copy=True) if view.device.type != "cpu" else view
+                      for key, view in views.items()} for views in self._views]
+            kept = self._bookkeeping()
+            self._release_store()
+            try:
+                self._lay_out_empty()
+                self._fill_store(saved, kept)
+            except BaseException:
+                self._auto.measured["budget_bytes"] = None
+                self._release_store()
+                self._lay_out_empty()
+                self._fill_store(saved, kept)
+                raise
 
     def _fill_store(self, saved: list[dict], kept: dict) -> None:
         with torch.no_grad():

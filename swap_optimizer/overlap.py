@@ -315,6 +315,32 @@ _HANDLED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM",
                          if hasattr(signal, name))
 
 
+@contextlib.contextmanager
+def signals_after_the_step():
+    """Python signal handlers run between any two bytecodes: a Ctrl-C landing
+    inside torch's update of a batch (Python), or inside a store's move to a
+    new plan, would leave it partly written. Meanwhile the Python handlers of
+    the usual signals only note the signal; once the work is done each noted
+    signal is raised again for its own handler. (Handlers run on the main
+    thread only: work on another thread is never interrupted.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted, saved = [], {}
+    for signum in _HANDLED_SIGNALS:
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            saved[signum] = handler
+            signal.signal(signum, lambda received, frame: noted.append(received))
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+        for signum in noted:
+            signal.raise_signal(signum)
+
+
 class _WaitFirst:
     """A Python signal handler, wrapped while overlapping optimizers live: it
     first waits for every pending step (a Ctrl-C or a preemption handler may

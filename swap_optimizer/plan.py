@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from . import _C
-from .budget import StepCostModel, allocated, choose_plan, device_bytes, resident_share
+from .budget import StepCostModel, allocated, choose_plan, device_bytes, fused_op_table_bytes, resident_share
 from .compact import MIN_QUANTIZED_NUMEL
 from .config import SwapOptimizerConfig
 from .presets import PRESETS, DecoderShape, from_hf_config
@@ -122,10 +122,12 @@ class Planner:
         quantized = [n >= MIN_QUANTIZED_NUMEL for n in self.whole_numels] if config.state_dtype == torch.uint8 else []
 
         def lay_out(swappable: list, swap_times: int, num_arenas: int) -> dict:
-            return _C.plan_staging(self.params, [0] * len(self.params), [False], swappable, swap_times=swap_times,
-                                   num_arenas=num_arenas, state_dtype=config.state_dtype,
-                                   master_weights=config.master_weights, swap_keys=config.runtime_swap_keys(),
-                                   kahan_summation=config.kahan_summation, quantized_params=quantized)
+            summary = _C.plan_staging(self.params, [0] * len(self.params), [False], swappable,
+                                      swap_times=swap_times, num_arenas=num_arenas, state_dtype=config.state_dtype,
+                                      master_weights=config.master_weights, swap_keys=config.runtime_swap_keys(),
+                                      kahan_summation=config.kahan_summation, quantized_params=quantized)
+            summary["update_temporary_bytes"] = fused_op_table_bytes(summary["plan"])  # as SwapOptimizer counts
+            return summary
         return lay_out
 
     def best_plan(self, mode: str, budget: int, swap_times: Optional[int], num_arenas: Optional[int]):

@@ -4,12 +4,9 @@ torch's own step of the wrapped class (swap_optimizer.rules)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import numbers
-import signal
-import threading
 import weakref
 from typing import Any, NamedTuple, Optional
 
@@ -21,7 +18,7 @@ from .config import SwapOptimizerConfig
 from .distributed import _is_dtensor, _like_param, _local, _local_part
 from .optimizer import (SwapOptimizer, _auto_budget, _check_distinct, _check_optimizer, _check_overlap_params,
                         _check_params, _forward_overlap)
-from .overlap import _HANDLED_SIGNALS, capturing
+from .overlap import capturing, signals_after_the_step
 from .rules import (ELEMENT, REFUSED, SCALAR, WHOLE, Declaration, declaration_for, estimated_temporaries,
                     foreign_state_keys, run_torch_update, trusted_declaration)
 
@@ -79,32 +76,6 @@ def _unscales_in_step(optimizer: torch.optim.Optimizer, declaration: Declaration
                          "every param group; use fused=True there, or leave unscale_in_step at None (GradScaler "
                          "then unscales through its own unscale_)")
     return fused if setting is None else setting
-
-
-@contextlib.contextmanager
-def _signals_after_the_step():
-    """Python signal handlers run between any two bytecodes, and torch's
-    update is Python: a Ctrl-C landing inside a batch's update would leave its
-    params partly written. During the step, the Python handlers of the usual
-    signals only note the signal; once the step is done (every param wholly
-    new) each noted signal is raised again for its own handler. (Handlers run
-    on the main thread only: a step on another thread is never interrupted.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    noted, saved = [], {}
-    for signum in _HANDLED_SIGNALS:
-        handler = signal.getsignal(signum)
-        if callable(handler):
-            saved[signum] = handler
-            signal.signal(signum, lambda received, frame: noted.append(received))
-    try:
-        yield
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
-        for signum in noted:
-            signal.raise_signal(signum)
 
 
 def _copied(entry: dict) -> dict:
@@ -531,7 +502,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         # vouched-for one (its group writes are checked when the step is done).
         deferred = self._overlap is not None and self._overlap.may_defer() and not self._learning and all(
             self._shown[i] or not self._layouts_now[i] for i, grad in enumerate(grads) if grad is not None)
-        with _signals_after_the_step():  # raised once the step and its bookkeeping are done
+        with signals_after_the_step():  # raised once the step and its bookkeeping are done
             self._stepping = True
             try:
                 if self._learning:

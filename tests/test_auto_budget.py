@@ -26,9 +26,9 @@ def simulated(budget):
     return dict(free_bytes=budget + 10_000_000, peak_bytes=12_000_000 + 4096, allocated_bytes=2_000_000 + HEADROOM)
 
 
-def auto_optimizer(model, **fields):
+def auto_optimizer(net, **fields):
     fields = dict(dict(swap_times=SWAP_TIMES, num_arenas=2, cost_model=SLOW_LINK), **fields)
-    return so.SwapOptimizer(adamw(model.parameters()), device_budget_bytes="auto", auto_warmup_steps=WARMUP,
+    return so.SwapOptimizer(adamw(net.parameters()), device_budget_bytes="auto", auto_warmup_steps=WARMUP,
                             auto_headroom_bytes=HEADROOM, **fields)
 
 
@@ -193,3 +193,60 @@ def test_auto_settings_are_checked():
         so.SwapOptimizer(adamw(build("cpu").parameters()), device_budget_bytes="max")
     with pytest.raises(ValueError, match="auto_warmup_steps must be an int >= 1"):
         so.SwapOptimizer(adamw(build("cpu").parameters()), device_budget_bytes="auto", auto_warmup_steps=0)
+
+
+def test_with_overlap_the_move_comes_before_the_step_is_deferred():
+    """overlap_forward=True: the step that moves the store runs whole (a new
+    store is probed again by the next forward), and training stays bitwise
+    that without overlap."""
+    budget = middle_budget()
+    runs = []
+    for overlap in (False, True):
+        model = build("cpu")
+        optimizer = auto_optimizer(model, **(dict(overlap_forward=True, model=model) if overlap else {}))
+        optimizer._auto.simulated = simulated(budget)
+        train(model, optimizer, WARMUP + 3, "cpu")
+        optimizer.wait()
+        assert optimizer.memory_stats()["device_budget_bytes"] == budget
+        runs.append(snapshot(optimizer, model))
+    assert_bitwise(*runs)
+
+
+def test_an_interrupt_during_the_move_waits_until_the_store_is_whole(monkeypatch):
+    """A Ctrl-C landing while the states are copied into the new store is
+    raised once they all are: nothing is left half moved."""
+    import signal
+    model, twin_model = build("cpu"), build("cpu")
+    optimizer = auto_optimizer(model)
+    optimizer._auto.simulated = simulated(middle_budget())
+    twin = so.SwapOptimizer(adamw(twin_model.parameters()), swap_times=SWAP_TIMES, num_arenas=2)
+    train(model, optimizer, WARMUP, "cpu")
+    train(twin_model, twin, WARMUP, "cpu")
+    original = type(optimizer)._restore_bookkeeping
+
+    def interrupted(self, kept):
+        signal.raise_signal(signal.SIGINT)  # as a Ctrl-C would, between two bytecodes of the move
+        original(self, kept)
+
+    monkeypatch.setattr(type(optimizer), "_restore_bookkeeping", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, optimizer, 1, "cpu")
+    monkeypatch.setattr(type(optimizer), "_restore_bookkeeping", original)
+    # the move finished, the step did not begin: the states are the twin's, in the new plan
+    assert optimizer.memory_stats()["device_budget_bytes"] == middle_budget()
+    assert len(optimizer.state_dict()["state"]) == len(list(model.parameters()))
+    assert_bitwise(snapshot(optimizer, model), snapshot(twin, twin_model))
+    train(model, optimizer, 2, "cpu")
+    train(twin_model, twin, 2, "cpu")
+    assert_bitwise(snapshot(optimizer, model), snapshot(twin, twin_model))
+
+
+def test_measuring_the_device_leaves_the_users_random_stream_alone():
+    from swap_optimizer import budget
+    budget._measured_update.cache_clear()
+    budget._measured_link.cache_clear()
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    so.StepCostModel.for_device("cpu")
+    assert torch.equal(torch.rand(4), expected)
