@@ -202,35 +202,38 @@ void bind_runtime(py::module& module) {
                        std::optional<c10::ScalarType> state_dtype, bool master_weights,
                        bool pin_memory, bool keep_arenas, const std::vector<bool>& swap_keys,
                        bool kahan_summation, std::optional<int64_t> rounding_seed,
-                       std::vector<int64_t> global_offsets, std::vector<bool> quantized_params) {
-             return RuntimeHolder(new SwapRuntime(
-                 std::move(params), std::move(group_of_param), group_amsgrad, swappable,
-                 make_options(swap_times, num_arenas, state_dtype, master_weights, pin_memory,
-                              keep_arenas, swap_keys,
-                              {kahan_summation, rounding_seed, std::move(global_offsets),
-                               std::move(quantized_params)})));
+                       std::vector<int64_t> global_offsets, std::vector<bool> quantized_params,
+                       std::vector<int64_t> resident_groups) {
+             RuntimeOptions options = make_options(swap_times, num_arenas, state_dtype, master_weights, pin_memory,
+                                                   keep_arenas, swap_keys,
+                                                   {kahan_summation, rounding_seed, std::move(global_offsets),
+                                                    std::move(quantized_params)});
+             options.resident_groups = std::move(resident_groups);
+             return RuntimeHolder(new SwapRuntime(std::move(params), std::move(group_of_param), group_amsgrad,
+                                                  swappable, options));
            }),
            py::arg("params"), py::arg("group_of_param"), py::arg("group_amsgrad"),
            py::arg("swappable"), py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"),
            py::arg("state_dtype"), py::arg("master_weights"), py::arg("pin_memory"),
            py::arg("keep_arenas"), py::arg("swap_keys"), py::arg("kahan_summation") = false,
            py::arg("rounding_seed") = py::none(), py::arg("global_offsets") = std::vector<int64_t>{},
-           py::arg("quantized_params") = std::vector<bool>{})
+           py::arg("quantized_params") = std::vector<bool>{}, py::arg("resident_groups") = std::vector<int64_t>{})
       .def(py::init([](std::vector<at::Tensor> params, const std::vector<std::vector<StateDeclaration>>& states,
                        const std::vector<bool>& swappable, const std::vector<bool>& splittable,
                        py::function update, int64_t swap_times, int64_t num_arenas, bool pin_memory,
-                       bool keep_arenas, const std::vector<bool>& swap_keys) {
+                       bool keep_arenas, const std::vector<bool>& swap_keys, std::vector<int64_t> resident_groups) {
              std::vector<std::vector<runtime::StateDescription>> descriptions;
              std::vector<runtime::SlotSpec> specs =
                  rule_slot_specs(params, states, swappable, splittable, &descriptions);
-             return RuntimeHolder(new SwapRuntime(
-                 std::move(params), std::move(specs), std::move(descriptions),
-                 python_batch_update(std::move(update)),
-                 make_options(swap_times, num_arenas, std::nullopt, false, pin_memory, keep_arenas, swap_keys)));
+             RuntimeOptions options =
+                 make_options(swap_times, num_arenas, std::nullopt, false, pin_memory, keep_arenas, swap_keys);
+             options.resident_groups = std::move(resident_groups);
+             return RuntimeHolder(new SwapRuntime(std::move(params), std::move(specs), std::move(descriptions),
+                                                  python_batch_update(std::move(update)), options));
            }),
            py::arg("params"), py::arg("states"), py::arg("swappable"), py::arg("splittable"), py::arg("update"),
            py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"), py::arg("pin_memory"),
-           py::arg("keep_arenas"), py::arg("swap_keys"),
+           py::arg("keep_arenas"), py::arg("swap_keys"), py::arg("resident_groups") = std::vector<int64_t>{},
            "Another optimizer's states: per param, one (name, kind, unit bytes, dtype, shape) per state key, "
            "and update(batch, arena, params, grads) runs each batch's update.")
       .def("state_views",

@@ -301,17 +301,24 @@ StorePlan plan_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_ke
   for (int64_t i = 0; i < slot_count; ++i) (specs[i].swappable ? swappable_slots : resident_slots).push_back(i);
 
   if (!resident_slots.empty()) {
-    BatchPlan& batch = plan.batches.emplace_back();
-    batch.resident = true;
+    std::stable_sort(resident_slots.begin(), resident_slots.end(), [&](int64_t a, int64_t b) {
+      return specs[a].resident_group < specs[b].resident_group;
+    });
     int64_t cursor = 0;
-    for (int64_t slot : resident_slots) {
+    for (size_t k = 0; k < resident_slots.size(); ++k) {
+      const int64_t slot = resident_slots[k];
+      if (k == 0 || specs[slot].resident_group != specs[resident_slots[k - 1]].resident_group) {
+        plan.batches.emplace_back().resident = true;
+      }
+      BatchPlan& batch = plan.batches.back();
+      const int64_t index = static_cast<int64_t>(plan.batches.size()) - 1;
       PieceRow& row = batch.rows.emplace_back(
           PieceRow{slot, 0, specs[slot].numel, KeyOffsets(swap_keys.size(), kNoOffset), slot, true});
       cursor = place_whole(specs[slot], keys_at(specs[slot], swap_keys, false), cursor, kResidentStore, 0,
                            &row.arena_offset, plan.slots[slot]);
-      plan.slots[slot].first_batch = plan.slots[slot].last_batch = 0;
+      plan.slots[slot].first_batch = plan.slots[slot].last_batch = index;
+      batch.arena_bytes = cursor;
     }
-    batch.arena_bytes = cursor;
     plan.resident_store_bytes = align_up(cursor, kRegionAlignment);
   }
 

@@ -44,6 +44,9 @@ struct SlotSpec {
   bool swappable;                   // false: all its states stay in the resident store
   std::vector<StateLayout> states;  // one per key
   bool splittable = true;           // false: its update reads the whole param, so it is never cut
+  // Resident slots of one group are updated as one resident batch; the groups'
+  // batches come in increasing group order (overlap_forward: one per block).
+  int64_t resident_group = 0;
 };
 
 // Per key: whether a slot keeps it, whether it is swapped, where it lies.
@@ -109,8 +112,10 @@ struct RegionCopy {
 // (first the whole params, packed exactly as in the batch's own host region, so
 // one copy moves them; then each piece of a split param, its states row by row),
 // then the states kept on the device, which join the arena for the update.
-// The resident batch (params too small or not swappable) uses the start of the
-// resident store as its arena, so nothing of it travels.
+// A resident batch (params too small or not swappable, one batch per resident
+// group) uses the resident store from its start as its arena (its rows' offsets
+// are the store's, its arena_bytes where its last state ends), so nothing of it
+// travels.
 struct BatchPlan {
   std::vector<PieceRow> rows;
   std::vector<RegionCopy> host_copies;      // over the link, the same each way
@@ -122,7 +127,7 @@ struct BatchPlan {
 
 struct StorePlan {
   std::vector<SlotPlacement> slots;
-  std::vector<BatchPlan> batches;          // the resident batch, if any, comes first
+  std::vector<BatchPlan> batches;          // the resident batches, if any, come first
   std::vector<int64_t> host_region_bytes;  // exact size of each host region; 0 is the step table
   int64_t rotating_batches = 0;            // batches that go through staging arenas
   int64_t staging_arena_bytes = 0;         // the largest arena of a rotating batch

@@ -400,15 +400,21 @@ void SwapRuntime::set_up() {
     param_dtype_.push_back(params_[i].scalar_type());
     param_shape_.push_back(params_[i].sizes().vec());
   }
+  TORCH_CHECK_VALUE(options_.resident_groups.empty() || options_.resident_groups.size() == params_.size(),
+                    "SwapRuntime: one resident group per param, or none");
+  for (size_t i = 0; i < options_.resident_groups.size(); ++i) specs_[i].resident_group = options_.resident_groups[i];
   plan_ = plan_store(specs_, options_.swap_keys, options_.swap_times, step_bytes_);
   // Streams, events, pinned slabs and the resident store belong to the params' device.
   const c10::DeviceGuard guard(device_);  // a no-op for CPU
 
   arena_count_ = static_cast<int>(std::min(options_.num_arenas, plan_.rotating_batches));
-  // One marker slot per arena plus one for the resident batch; copies in and
-  // out get their own queues once there are three arenas to rotate.
+  // One marker slot per arena and one per resident batch (so that no resident
+  // batch waits for another's markers); copies in and out get their own queues
+  // once there are three arenas to rotate.
   const bool separate_copy_queues = arena_count_ >= 3;
-  transport_ = make_transport(device_, arena_count_ + 1, separate_copy_queues);
+  const int64_t resident_batches = static_cast<int64_t>(plan_.batches.size()) - plan_.rotating_batches;
+  transport_ = make_transport(device_, arena_count_ + static_cast<int>(std::max<int64_t>(resident_batches, 1)),
+                              separate_copy_queues);
   std::vector<int64_t> plan_order(plan_.batches.size());
   for (size_t b = 0; b < plan_order.size(); ++b) plan_order[b] = static_cast<int64_t>(b);
   adopt_order(std::move(plan_order));
@@ -464,13 +470,15 @@ void SwapRuntime::adopt_order(std::vector<int64_t> order) {
   order_ = std::move(order);
   position_of_.assign(order_.size(), 0);
   slot_of_batch_.clear();
-  // Rotating batch r (in pipeline order) uses arena r mod N; the resident batch has a slot of its own.
+  // Rotating batch r (in pipeline order) uses arena r mod N; resident batch k
+  // (in plan order) has slot N + k of its own.
   int64_t rotating = 0;
   std::vector<int64_t> last_position(params_.size(), -1);
   for (size_t position = 0; position < order_.size(); ++position) {
     position_of_[order_[position]] = static_cast<int64_t>(position);
     const BatchPlan& batch = plan_.batches[order_[position]];
-    slot_of_batch_.push_back(batch.resident ? arena_count_ : static_cast<int>(rotating++ % arena_count_));
+    slot_of_batch_.push_back(batch.resident ? arena_count_ + static_cast<int>(order_[position])
+                                            : static_cast<int>(rotating++ % arena_count_));
     for (const PieceRow& row : batch.rows) last_position[row.slot] = static_cast<int64_t>(position);
   }
   last_read_at_.assign(order_.size(), {});

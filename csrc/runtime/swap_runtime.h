@@ -44,6 +44,9 @@ struct RuntimeOptions {
   bool pin_memory = true;
   bool keep_arenas = false;
   KeyFlags swap_keys = KeyFlags(kAdamKeyCount, true);  // which states (keys) of swappable params go to the host
+  // Per param: its resident group (SlotSpec::resident_group); empty: all 0,
+  // one resident batch.
+  std::vector<int64_t> resident_groups;
 };
 
 struct MemoryStats {

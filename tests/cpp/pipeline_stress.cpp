@@ -124,7 +124,9 @@ class CountingWork final : public rt::BatchWork {
   std::vector<std::vector<float>> arenas_;
 };
 
-void run_case(int arenas, int batches, uint64_t seed, bool deferred) {
+// `residents` of the batches, at random positions, have a slot of their own
+// (N + k, as the runtime gives each resident batch); the others rotate over N.
+void run_case(int arenas, int batches, int residents, uint64_t seed, bool deferred) {
   std::mt19937_64 random(seed);
   std::vector<std::vector<float>> host;
   int64_t largest = 0;
@@ -132,11 +134,26 @@ void run_case(int arenas, int batches, uint64_t seed, bool deferred) {
     host.emplace_back(1 + random() % 5000, 0.0f);
     largest = std::max<int64_t>(largest, static_cast<int64_t>(host.back().size()) + 6);  // + the wider pitch
   }
-  const int slots = std::min(arenas, batches);
-  rt::HostTransport transport(slots, /*separate_copy_queues=*/slots >= 3);
-  transport.set_copy_delay(200, seed);
+  std::vector<bool> resident(batches, false);
+  for (int k = 0; k < std::min(residents, batches - 1); ++k) resident[k] = true;
+  std::shuffle(resident.begin(), resident.end(), random);
+  const int rotating = batches - static_cast<int>(std::count(resident.begin(), resident.end(), true));
+  const int arena_slots = std::min(arenas, rotating);
   std::vector<int> slot_of_batch;
-  for (int b = 0; b < batches; ++b) slot_of_batch.push_back(b % slots);
+  for (int b = 0, r = 0, k = 0; b < batches; ++b) slot_of_batch.push_back(resident[b] ? arena_slots + k++ : r++ % arena_slots);
+  const int slots = arena_slots + (batches - rotating);
+  // previous_user[b]: the batch that used b's slot before it in this step, or -1.
+  std::vector<int64_t> previous_user(batches, -1);
+  for (int b = 0; b < batches; ++b) {
+    for (int a = b - 1; a >= 0; --a) {
+      if (slot_of_batch[a] == slot_of_batch[b]) {
+        previous_user[b] = a;
+        break;
+      }
+    }
+  }
+  rt::HostTransport transport(slots, /*separate_copy_queues=*/arena_slots >= 3);
+  transport.set_copy_delay(200, seed);
   CountingWork work(transport, host, slots, largest);
   work.host_steps.assign(batches, 0.0f);
   work.device_steps.assign(batches, -1.0f);  // garbage until the step table is copied in
@@ -190,9 +207,12 @@ void run_case(int arenas, int batches, uint64_t seed, bool deferred) {
         threw = true;
       }
     }
-    // A copy in of batch `at` is enqueued once the batch before it in its slot is updated.
+    // Copies in are enqueued in order, each once the batch before it in its
+    // slot is copied out: batch `at`'s once every batch up to it has its slot.
+    int64_t staged_after = -1;
+    for (int64_t b = 0; b <= work.fail_stage_in_at; ++b) staged_after = std::max(staged_after, previous_user[b]);
     const int64_t stop = work.fail_update_at >= 0      ? work.fail_update_at
-                         : work.fail_stage_in_at >= 0 ? std::max<int64_t>(0, work.fail_stage_in_at - slots + 1)
+                         : work.fail_stage_in_at >= 0 ? staged_after + 1
                                                       : work.interrupt_before;
     expect(threw == (stop >= 0), "a failure was injected exactly when one was thrown");
     // Batches before the failure are new, the rest old; each wholly, its step count too.
@@ -284,6 +304,7 @@ void check_plan() {
         if (random() % 4 != 0) state = {rt::StateKind::kPerElement, int64_t{1} << (random() % 3), 1};
       }
       if (random() % 10 == 0) spec.states[0] = {rt::StateKind::kWhole, static_cast<int64_t>(random() % 5000), 1};
+      spec.resident_group = static_cast<int64_t>(random() % 3);  // resident slots: one batch per group
       all_splittable = all_splittable && rt::can_split(spec);
     }
     rt::KeyFlags swap_keys(key_count);
@@ -329,7 +350,18 @@ void check_plan() {
         }
       }
     }
+    int64_t last_group = -1;
     for (const rt::BatchPlan& batch : plan.batches) {
+      if (batch.resident) {  // one group per resident batch, in increasing order, before every rotating batch
+        const int64_t group = specs[batch.rows.front().slot].resident_group;
+        expect(group > last_group && &batch - plan.batches.data() < static_cast<std::ptrdiff_t>(
+                                                                         plan.batches.size() - plan.rotating_batches),
+               where + ": resident batches by group, first");
+        for (const rt::PieceRow& row : batch.rows) {
+          expect(specs[row.slot].resident_group == group, where + ": a resident batch holds one group");
+        }
+        last_group = group;
+      }
       std::vector<std::pair<int64_t, int64_t>> arena_ranges;
       for (const rt::PieceRow& row : batch.rows) {
         const rt::SlotSpec& spec = specs[row.slot];
@@ -402,14 +434,15 @@ int main() {
   uint64_t seed = 1;
   for (const bool deferred : {false, true}) {
     for (int arenas : {2, 3, 4}) {
-      for (int batches : {1, 2, 3, 5, 9}) run_case(arenas, batches, seed++, deferred);
+      for (int batches : {1, 2, 3, 5, 9}) run_case(arenas, batches, /*residents=*/0, seed++, deferred);
+      for (int batches : {4, 9}) run_case(arenas, batches, /*residents=*/1 + batches / 3, seed++, deferred);
     }
   }
   if (failures) {
     std::fprintf(stderr, "%d failure(s)\n", failures);
     return 1;
   }
-  std::printf("pipeline_stress: 15 pipeline cases x 12 steps, inline and deferred, 300 partitions and 400 store "
+  std::printf("pipeline_stress: 21 pipeline cases (6 with resident slots) x 12 steps, inline and deferred, 300 partitions and 400 store "
               "plans passed\n");
   return 0;
 }
