@@ -121,7 +121,8 @@ class StepCostModel:
         more they run on two, sharing the link's both-ways bandwidth while both
         move. The resident batch updates first, beside the first copies in."""
         rotating = [b for b in summary["plan"] if not b["resident"]]
-        resident = sum(b["arena_bytes"] for b in summary["plan"] if b["resident"])
+        # Resident batches (one per group) use the store at absolute offsets: the last one ends where it does.
+        resident = max((b["arena_bytes"] for b in summary["plan"] if b["resident"]), default=0)
         compute_free = resident / self.update_bytes_per_s + (self.batch_seconds if resident else 0.0)
         update_seconds = compute_free
         shared_queue = min(num_arenas, len(rotating)) < 3  # as the runtime: two queues from 3 arenas in use
@@ -435,12 +436,13 @@ def copy_bytes(params: Sequence[torch.Tensor], amp_clones: bool) -> int:
 
 
 def plan_for_budget(config, budget: int, lay_out: LayOut, base: list[bool], extra_bytes: int,
-                    device: torch.device) -> PlanChoice:
+                    device: torch.device, priority: Optional[Sequence[int]] = None) -> PlanChoice:
     """The plan for a device budget (config.device_budget_bytes, or what
     "auto" made of it): the fastest predicted one that fits; refuses, saying
     what takes the room, when none does."""
     cost_model = config.cost_model or StepCostModel.for_device(device)
-    best, _ = choose_plan(lay_out, base, range(len(base)), budget, swap_times=config.swap_times,
+    priority = range(len(base)) if priority is None else priority
+    best, _ = choose_plan(lay_out, base, priority, budget, swap_times=config.swap_times,
                           num_arenas=config.num_arenas, staging_cap=config.staging_budget_bytes,
                           extra_bytes=extra_bytes, cost_model=cost_model)
     if best is not None:
@@ -494,14 +496,16 @@ class Planning:
 
     @classmethod
     def make(cls, config, budget: Optional[int], lay_out: LayOut, base: list[bool], copies: int,
-             device: torch.device, staging_budget_swap_times: Callable[[], int], advice=None) -> "Planning":
+             device: torch.device, staging_budget_swap_times: Callable[[], int], advice=None,
+             priority: Optional[Sequence[int]] = None) -> "Planning":
         """The plan for `config` and a device budget (None: none yet): the
-        budget's choice, staging_budget_bytes's swap_times, or the settings as
+        budget's choice (keeping params resident in `priority` order, else
+        param order), staging_budget_bytes's swap_times, or the settings as
         given."""
         swap_times, num_arenas = config.fixed_swap_times, config.fixed_num_arenas
         choice = None
         if budget is not None:
-            choice = plan_for_budget(config, budget, lay_out, base, copies, device)
+            choice = plan_for_budget(config, budget, lay_out, base, copies, device, priority)
             swap_times, num_arenas = choice.swap_times, choice.num_arenas
         elif config.staging_budget_bytes is not None and config.swap_times is None:  # ("auto" before its budget)
             swap_times = staging_budget_swap_times()

@@ -11,7 +11,7 @@ import inspect
 import logging
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -251,6 +251,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self._runtime = None
         self._auto = _auto_budget(self.config)
+        # (param ids, their first reads in the forward) that the residents follow; None: param order
+        self._ranked_by: Optional[tuple[list[int], list[int]]] = None
         self._rounding_seed = None
         if self.config.state_dtype == torch.bfloat16:  # stochastic rounding; the seed is saved in state dicts
             self._rounding_seed = self.config.rounding_seed
@@ -409,14 +411,14 @@ class SwapOptimizer(torch.optim.Optimizer):
 
         copies = copy_bytes(local_params, self.__dict__["_unscale_in_step"] or self._overlap is not None)
         planning = Planning.make(self.config, self._budget_now(), lay_out, swappable, copies, self._device,
-                                 staging_budget_swap_times,
-                                 advice)
+                                 staging_budget_swap_times, advice, self._resident_priority())
         runtime = _C.SwapRuntime(local_params, group_of_param, group_amsgrad, planning.swappable,
                                  swap_times=planning.swap_times, num_arenas=planning.num_arenas, state_dtype=self.config.state_dtype,
                                  master_weights=self.config.master_weights, pin_memory=self.config.pin_memory,
                                  keep_arenas=self.config.keep_arenas, swap_keys=swap_keys,
                                  kahan_summation=self.config.kahan_summation, rounding_seed=self._rounding_seed,
-                                 global_offsets=global_offsets, quantized_params=quantized_params)
+                                 global_offsets=global_offsets, quantized_params=quantized_params,
+                                 resident_groups=self._resident_groups())
         stats = runtime.memory_stats()
         if stats["unpinned_host_bytes"]:
             warnings.warn(f"SwapOptimizer: could not pin {stats['unpinned_host_bytes']} bytes of host memory; that "
@@ -531,7 +533,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 _check_distinct(params)
                 self._data_pointers = data_pointers
             self._sync_outside_changes(params)
-            self._settle_auto_budget()  # may move the (synced) store to a new plan
+            self._settle_plan()  # may move the (synced) store to a new plan
             deferred = self._overlap is not None and self._overlap.may_defer()  # after any rebuild or move
             grads = [None if p.grad is None else _local(p.grad) for p in params]
             state = self.__dict__["_state"]
@@ -743,21 +745,67 @@ class SwapOptimizer(torch.optim.Optimizer):
             return None if self._auto.measured is None else self._auto.measured["budget_bytes"]
         return self.config.device_budget_bytes
 
-    def _settle_auto_budget(self) -> None:
+    def _ranks_now(self) -> Optional[list[int]]:
+        """The first reads the residents follow: those adopted for these
+        params, while a budget is in force (None: param order)."""
+        ranked = self._ranked_by
+        if ranked is None or self._budget_now() is None or ranked[0] != [id(p) for p in self._params()]:
+            return None
+        return ranked[1]
+
+    def _resident_priority(self) -> Optional[list[int]]:
+        """The order the budget keeps params resident in: with overlap_forward,
+        once a forward was probed, the order it first reads them (None: param
+        order)."""
+        ranks = self._ranks_now()
+        return None if ranks is None else sorted(range(len(ranks)), key=lambda i: (ranks[i], i))
+
+    def _resident_groups(self) -> list[int]:
+        """Per param, its resident batch: with overlap_forward and a budget, one
+        per block of the forward (the block's first call), so that a block
+        waits only for its own resident params; else one for all ([])."""
+        ranks = self._ranks_now()
+        return [] if ranks is None else list(ranks)
+
+    def _settle_plan(self) -> None:
+        """At a step boundary (the last step is done, this one has not begun):
+        with overlap_forward, adopts the forward's first reads once a probe has
+        seen them, once per set of params (a forward whose calls vary from step
+        to step must not move the store every step); derives an "auto" budget
+        once it is due. Under a budget, either lays the store out again, in one
+        move."""
+        overlap, ids = self._overlap, [id(p) for p in self._params()]
+        adopting = overlap is not None and overlap.first_reads is not None \
+            and (self._ranked_by is None or self._ranked_by[0] != ids)
+        if adopting:
+            self._ranked_by = (ids, list(overlap.first_reads))
+        if self._settle_auto_budget() or not adopting or self._budget_now() is None:
+            return  # an "auto" move took the first reads along
+        try:
+            # On failure the old layout, param order, is laid out again, and kept.
+            self._move_to_new_plan(lambda: setattr(self, "_ranked_by", (ids, None)))
+        except Exception as error:  # the old plan holds every state: the step goes on in it
+            warnings.warn(f"SwapOptimizer: laying the resident states out in the order the forward reads them "
+                          f"failed ({type(error).__name__}: {error}); they stay in param order, which is as exact "
+                          "but lets the forward wait longer for them", RuntimeWarning, stacklevel=3)
+
+    def _settle_auto_budget(self) -> bool:
         """device_budget_bytes="auto", at the step after the warm-up (a step
         boundary: the last step is done, this one has not begun): derives the
-        budget and moves the states to its plan, once."""
+        budget and moves the states to its plan, once. Returns whether the
+        store moved."""
         if self._auto is None or not self._auto.due():
-            return
+            return False
         planning = self._planning
         budget = self._auto.derive(self._device, allocated(self._runtime.memory_stats()["resident_state_bytes"]))
         if budget is None:
             warnings.warn("SwapOptimizer: device_budget_bytes='auto' has no device memory to measure on the CPU; the "
                           "plan stays as given (pass a number to plan for one)", RuntimeWarning, stacklevel=4)
-            return
+            return False
         refusal = None
         try:  # planned first, nothing allocated: a budget no plan fits leaves the store as it is
-            plan_for_budget(self.config, budget, planning.lay_out, planning.base, planning.copy_bytes, self._device)
+            plan_for_budget(self.config, budget, planning.lay_out, planning.base, planning.copy_bytes, self._device,
+                            self._resident_priority())
         except ValueError as error:
             refusal = str(error)
         # Every rank moves, or none does (each plans for its own shards).
@@ -766,21 +814,23 @@ class SwapOptimizer(torch.optim.Optimizer):
             why = f"in which no plan fits ({refusal})" if refusal else "in which another rank's states find no plan"
             warnings.warn(f"SwapOptimizer: device_budget_bytes='auto' derived {budget} bytes, {why}; the plan stays "
                           "as given", RuntimeWarning, stacklevel=4)
-            return
-        self._move_to_new_plan()
+            return False
+        self._move_to_new_plan(lambda: self._auto.measured.update(budget_bytes=None))
         stats = self.memory_stats()
         _log.info("SwapOptimizer: device_budget_bytes='auto' is %d bytes after %d warm-up steps (%s); the states "
                   "moved to swap_times=%d, num_arenas=%d, resident share %.1f%%", budget, self._auto.warmup_steps,
                   ", ".join(f"{k} {v}" for k, v in self._auto.measured.items() if k != "budget_bytes"),
                   stats["plan"]["swap_times"], stats["plan"]["num_arenas"], 100 * stats["resident_share"])
+        return True
 
-    def _move_to_new_plan(self) -> None:
+    def _move_to_new_plan(self, undo: Callable[[], None]) -> None:
         """Lays the store out for the budget now in force and moves every state
         into it byte for byte. The device part of the old store is copied to
         host memory and freed before the new store is allocated, so no state is
         on the device twice. If the new store cannot be made or filled, the old
-        plan is laid out again and filled from the same bytes, and the error
-        raised; signals wait until one of them is whole."""
+        plan is laid out again (after `undo` restores what chose the new one)
+        and filled from the same bytes, and the error raised; signals wait
+        until one of them is whole."""
         with signals_after_the_step():  # a Ctrl-C is raised once every state is in a whole store
             saved = [{key: view.to("cpu", copy=True) if view.device.type != "cpu" else view
                       for key, view in views.items()} for views in self._views]
@@ -790,7 +840,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                 self._lay_out_empty()
                 self._fill_store(saved, kept)
             except BaseException:
-                self._auto.measured["budget_bytes"] = None
+                undo()
                 self._release_store()
                 self._lay_out_empty()
                 self._fill_store(saved, kept)

@@ -487,6 +487,8 @@ class ForwardOverlap:
         self.knocked_out: set[int] = set()
         self.unguarded: set[str] = set()
         self._param_positions: list[int] = []  # per param: the last pipeline position holding it
+        # Per param, from the last probe: where the forward first needs it (_first_reads); None before one.
+        self.first_reads: Optional[list[int]] = None
         self._last_step_deferred = False
         self._set_modules()
         self._lock = threading.RLock()
@@ -528,6 +530,8 @@ class ForwardOverlap:
         with self._lock:
             if self.probing:
                 self.finish_pass()
+        if [id(p) for p in params] != [id(p) for p in self.params]:
+            self.first_reads = None  # indices of other params
         self.params = list(params)
         self._set_modules()
         self.plan = None
@@ -647,6 +651,7 @@ class ForwardOverlap:
             rank[i] = -1
         for i in self.knocked_out:
             rank[i] = _UNRANKED
+        self.first_reads = self._first_reads(rank, calls)
         runtime.set_batch_order(rank)
         position_of = {batch: position for position, batch in enumerate(runtime.pipeline_order())}
         last = [-1] * count
@@ -671,6 +676,21 @@ class ForwardOverlap:
                           "another thread than step(), or a Triton or raw-pointer kernel?); their updates now "
                           "complete inside step(), before it returns",
                           RuntimeWarning, stacklevel=4)
+
+    def _first_reads(self, rank: list[int], calls: list[nn.Module]) -> list[int]:
+        """Per param, where the forward first needs it, counted in calls: for a
+        read inside a block, that block's first call, so that a block's params
+        share one rank (and, kept resident, one resident batch); -1 for params
+        that must be done inside step(), _UNRANKED for those never read."""
+        block_start = {}
+        first_call_of = {}
+        for call, module in enumerate(calls):
+            first_call_of.setdefault(id(module), call)
+        for block in find_blocks(self.model):
+            start = min((first_call_of[id(m)] for m in block.modules() if id(m) in first_call_of), default=None)
+            if start is not None:
+                block_start.update((id(m), start) for m in block.modules())
+        return [r if r < 0 or r >= len(calls) else block_start.get(id(calls[r]), r) for r in rank]
 
     # --------------------------------------------------------- the pass
     def _runtime(self):

@@ -190,6 +190,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         self.optimizer = optimizer
         self._runtime = None
         self._auto = _auto_budget(self.config)
+        self._ranked_by: Optional[tuple[list[int], list[int]]] = None
         self._rounding_seed = None
         self._learned: dict = {}
         self._probed: set = set()  # (group, dimensionality) whose contract was probed
@@ -290,12 +291,13 @@ class RuleSwapOptimizer(SwapOptimizer):
 
         copies = copy_bytes(locals_, self.__dict__.get("_unscale_in_step", False) or self._overlap is not None)
         planning = Planning.make(self.config, self._budget_now(), lay_out, swappable, copies, self._device,
-                                 lambda: self._swap_times_for_budget(locals_, states, swappable, splittable, swap_keys))
+                                 lambda: self._swap_times_for_budget(locals_, states, swappable, splittable, swap_keys),
+                                 priority=self._resident_priority())
         runtime = _C.SwapRuntime(locals_, states, planning.swappable, splittable,
                                  lambda *args: itself()._update_batch(*args),
                                  swap_times=planning.swap_times, num_arenas=planning.num_arenas,
                                  pin_memory=self.config.pin_memory, keep_arenas=self.config.keep_arenas,
-                                 swap_keys=swap_keys)
+                                 swap_keys=swap_keys, resident_groups=self._resident_groups())
         views = [runtime.state_views(i) for i in range(len(params))]
         scalars: list[dict] = [{} for _ in params]
         shown = [False] * len(params)
@@ -487,7 +489,7 @@ class RuleSwapOptimizer(SwapOptimizer):
                                    f"{type(self.optimizer).__name__} runs on dense grads here (torch.optim.SparseAdam "
                                    "is the optimizer for sparse ones)")
         self._sync_edits(params)
-        self._settle_auto_budget()
+        self._settle_plan()
         # What every batch call starts from: the groups before the step.
         self._step_groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         self._group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]

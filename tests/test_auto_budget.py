@@ -9,8 +9,10 @@ ddp_auto_budget). The GPU check proves the measurement itself."""
 import logging
 import weakref
 
+import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import swap_optimizer as so
 from test_device_budget import SLOW_LINK, SWAP_TIMES, adamw, build, train, unbudgeted_device_bytes
@@ -113,13 +115,20 @@ def test_the_old_store_is_let_go_before_the_new_one_is_made(monkeypatch):
     assert made == [True]
 
 
-def test_a_failure_while_moving_loses_nothing(monkeypatch):
+def warmed_up_with_a_twin():
+    """An "auto" optimizer whose next step moves its store, and an unbudgeted
+    twin at the same point."""
     model, twin_model = build("cpu"), build("cpu")
     optimizer = auto_optimizer(model)
     optimizer._auto.simulated = simulated(middle_budget())
     twin = so.SwapOptimizer(adamw(twin_model.parameters()), swap_times=SWAP_TIMES, num_arenas=2)
     train(model, optimizer, WARMUP, "cpu")
     train(twin_model, twin, WARMUP, "cpu")
+    return (model, optimizer), (twin_model, twin)
+
+
+def test_a_failure_while_moving_loses_nothing(monkeypatch):
+    (model, optimizer), (twin_model, twin) = warmed_up_with_a_twin()
     original, calls = so._C.SwapRuntime, []
 
     def fails_once(*args, **kwargs):
@@ -216,12 +225,7 @@ def test_an_interrupt_during_the_move_waits_until_the_store_is_whole(monkeypatch
     """A Ctrl-C landing while the states are copied into the new store is
     raised once they all are: nothing is left half moved."""
     import signal
-    model, twin_model = build("cpu"), build("cpu")
-    optimizer = auto_optimizer(model)
-    optimizer._auto.simulated = simulated(middle_budget())
-    twin = so.SwapOptimizer(adamw(twin_model.parameters()), swap_times=SWAP_TIMES, num_arenas=2)
-    train(model, optimizer, WARMUP, "cpu")
-    train(twin_model, twin, WARMUP, "cpu")
+    (model, optimizer), (twin_model, twin) = warmed_up_with_a_twin()
     original = type(optimizer)._restore_bookkeeping
 
     def interrupted(self, kept):
@@ -250,3 +254,154 @@ def test_measuring_the_device_leaves_the_users_random_stream_alone():
     torch.manual_seed(123)
     so.StepCostModel.for_device("cpu")
     assert torch.equal(torch.rand(4), expected)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(128, 256), nn.Linear(256, 128)
+
+    def forward(self, h):
+        return h + self.down(torch.relu(self.up(h)))
+
+
+class Blocks(nn.Module):
+    """The head is defined first and read last; the embedding read first is
+    defined after the blocks: param order is not the forward's order."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(128, 128)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.embed = nn.Linear(64, 128)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class Routed(Blocks):
+    """Calls `extra` in every other forward (as a router might): the call
+    indices the probes see change from step to step."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra, self.forwards = nn.Linear(64, 64), 0
+
+    def forward(self, x):
+        self.forwards += 1
+        return super().forward(self.extra(x) if self.forwards % 2 else x)
+
+
+def run_blocks(cls, make, overlap, budget=None, steps=6, moves=None):
+    """Trains `cls` on fresh random batches; `moves` collects the steps at
+    which the store moved; returns the model, the optimizer and, per step,
+    whether it was deferred into the next forward."""
+    torch.manual_seed(0)
+    model = cls()
+    fields = dict(overlap_forward=True, model=model) if overlap else {}
+    optimizer = so.SwapOptimizer(make(model.parameters()), swap_times=4, num_arenas=2, cost_model=SLOW_LINK,
+                                 **({} if budget is None else dict(device_budget_bytes=budget)), **fields)
+    if moves is not None:
+        move = optimizer._move_to_new_plan
+        optimizer._move_to_new_plan = lambda undo: (moves.append(step), move(undo))
+    deferred = []
+    for step in range(steps):
+        rng = np.random.default_rng([9, step])
+        x = torch.from_numpy(rng.standard_normal((8, 64), dtype=np.float32))
+        optimizer.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        optimizer.step()
+        deferred.append(overlap and optimizer._overlap._last_step_deferred)
+    optimizer.wait()
+    return model, optimizer, deferred
+
+
+def a_quarter_resident_budget(cls):
+    _, probe, _ = run_blocks(cls, adamw, False, steps=1)
+    return probe.plan_report()["chosen"]["device_bytes"] + probe.memory_stats()["host_state_bytes"] // 4
+
+
+SGD = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731  (the rule path)
+
+
+@pytest.mark.parametrize("make", [adamw, SGD], ids=["adamw", "sgd"])
+def test_with_overlap_the_residents_follow_the_forward_and_each_block_has_its_own(make):
+    """A budget with overlap_forward: once a forward was probed, the store is
+    laid out again, once, at a step boundary, keeping resident the params the
+    forward reads first, each block's in a resident batch of its own (block 0
+    does not wait for the others' updates); later steps are deferred into the
+    forward as before; bitwise the same loop without overlap."""
+    budget = a_quarter_resident_budget(Blocks)
+    plain_model, plain, _ = run_blocks(Blocks, make, False, budget)
+    moves = []
+    model, optimizer, deferred = run_blocks(Blocks, make, True, budget, moves=moves)
+    assert_bitwise(snapshot(optimizer, model), snapshot(plain, plain_model))
+    assert len(moves) == 1 and all(deferred[moves[0] + 1:])  # the moving step probes the new store
+    names = [name for name, _ in model.named_parameters()]
+    resident = {names[i] for i in optimizer.memory_stats()["plan"]["resident_params"]}
+    by_param_order = {names[i] for i in plain.memory_stats()["plan"]["resident_params"]}
+    # the forward's first reads get the room first; in param order the embedding, read first, is last
+    assert {"embed.weight", "blocks.0.up.weight"} <= resident and "embed.weight" not in by_param_order
+    # a resident batch per block (or module outside the blocks), the embedding's (read first) first
+    resident_batches = [[names[i] for i in b["params"]] for b in optimizer._batch_plan() if b["resident"]]
+    owners = [{name.rsplit(".", 2)[0] if name.startswith("blocks.") else name.split(".")[0] for name in batch}
+              for batch in resident_batches]
+    assert all(len(owner) == 1 for owner in owners) and owners[0] == {"embed"} and {"blocks.0"} in owners
+    assert len(resident_batches) >= 3
+
+
+def test_a_forward_whose_calls_vary_moves_the_store_once():
+    """A forward whose call indices change from step to step (probed again
+    each time) lays the residents out once per set of params, not every step."""
+    budget = a_quarter_resident_budget(Routed)
+    plain_model, plain, _ = run_blocks(Routed, adamw, False, budget)
+    moves = []
+    model, optimizer, _ = run_blocks(Routed, adamw, True, budget, moves=moves)
+    assert len(moves) == 1
+    assert_bitwise(snapshot(optimizer, model), snapshot(plain, plain_model))
+
+
+def test_a_failed_resident_layout_warns_and_keeps_param_order(monkeypatch):
+    """A failure while the residents move to the forward's order lays the
+    param-order store out again, warns, and is not retried; nothing is lost."""
+    budget = a_quarter_resident_budget(Blocks)
+    plain_model, plain, _ = run_blocks(Blocks, adamw, False, budget)
+    original, made = so._C.SwapRuntime, []
+
+    def fails_on_grouped_residents(*args, **kwargs):
+        made.append(bool(kwargs.get("resident_groups")))
+        if made[-1]:
+            raise RuntimeError("injected: no room for the grouped store")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(so._C, "SwapRuntime", fails_on_grouped_residents)
+    with pytest.warns(RuntimeWarning, match="stay in param order"):
+        model, optimizer, deferred = run_blocks(Blocks, adamw, True, budget)
+    assert made.count(True) == 1 and all(deferred[2:])
+    assert optimizer.memory_stats()["plan"]["resident_params"] == plain.memory_stats()["plan"]["resident_params"]
+    assert_bitwise(snapshot(optimizer, model), snapshot(plain, plain_model))
+
+
+def test_auto_with_overlap_moves_once_into_the_forwards_order():
+    """"auto" with overlap_forward: the warm-up's probe ranks the params, and
+    the one move to the derived budget's plan takes that order along (not a
+    second move)."""
+    torch.manual_seed(0)
+    model, moves = Blocks(), []
+    optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=4, num_arenas=2, cost_model=SLOW_LINK,
+                                 device_budget_bytes="auto", auto_warmup_steps=WARMUP, auto_headroom_bytes=HEADROOM,
+                                 overlap_forward=True, model=model)
+    optimizer._auto.simulated = simulated(a_quarter_resident_budget(Blocks))
+    move = optimizer._move_to_new_plan
+    optimizer._move_to_new_plan = lambda undo: (moves.append(step), move(undo))
+    for step in range(WARMUP + 3):
+        optimizer.zero_grad(set_to_none=True)
+        model(torch.randn(8, 64)).square().mean().backward()
+        optimizer.step()
+    optimizer.wait()
+    names = [name for name, _ in model.named_parameters()]
+    assert moves == [WARMUP] and optimizer.memory_stats()["device_budget_bytes"] is not None
+    assert "embed.weight" in {names[i] for i in optimizer.memory_stats()["plan"]["resident_params"]}
