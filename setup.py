@@ -79,8 +79,30 @@ def _extension():
     )
 
 
+class BuildExtensionAndRecordTorch(cpp_extension.BuildExtension):
+    """Builds _C, then writes swap_optimizer/_build_info.py beside it: the torch
+    and CUDA versions it was compiled against and the source folder. A C++
+    extension runs only with that torch; swap_optimizer/__init__.py compares
+    before loading _C, so a build against another torch (pip's isolated build
+    environment takes the newest) fails with the fix instead of a missing
+    libc10_cuda.so or a crash."""
+
+    def run(self):
+        super().run()
+        import torch
+
+        folder = os.path.join(ROOT if self.inplace else self.build_lib, "swap_optimizer")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "_build_info.py"), "w") as record:
+            record.write('"""Written by setup.py when _C was built: what it was compiled against."""\n\n'
+                         f"TORCH_VERSION = {torch.__version__!r}\n"
+                         f"CUDA_VERSION = {torch.version.cuda!r}\n"
+                         f"WITH_CUDA_KERNELS = {_want_cuda()!r}\n"
+                         f"SOURCE_FOLDER = {ROOT!r}\n")
+
+
 setup(
     packages=find_packages(include=["swap_optimizer", "swap_optimizer.*"]),
     ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    cmdclass={"build_ext": BuildExtensionAndRecordTorch},
 )

@@ -5,6 +5,32 @@ import os
 
 import torch  # noqa: F401  (loads libtorch, which _C links against)
 
+
+def _check_torch_matches_build() -> None:
+    """A C++ extension runs only with the torch it was compiled against:
+    refuses another one, naming both and the command that rebuilds."""
+    try:
+        from ._build_info import CUDA_VERSION, SOURCE_FOLDER, TORCH_VERSION
+    except ImportError:  # the source folder, or a build that predates the record
+        return
+    if (torch.__version__, torch.version.cuda) == (TORCH_VERSION, CUDA_VERSION):
+        return
+
+    def named(version, cuda):
+        return f"torch {version} ({f'CUDA {cuda}' if cuda else 'a CPU build'})"
+
+    where = f"the swap-optimizer source folder ({SOURCE_FOLDER})" if os.path.isfile(
+        os.path.join(SOURCE_FOLDER, "setup.py")) else "the swap-optimizer source folder"
+    raise ImportError(
+        f"swap_optimizer was built against {named(TORCH_VERSION, CUDA_VERSION)}, but this Python has "
+        f"{named(torch.__version__, torch.version.cuda)}: the compiled extension runs only with the torch it was built "
+        "against. A plain `pip install .` builds in an isolated environment with the newest torch from the index; "
+        f"rebuild against the installed one, in {where}: `pip install setuptools wheel ninja && "
+        "pip install --no-build-isolation --force-reinstall --no-deps .`")
+
+
+_check_torch_matches_build()
+
 try:
     from . import _C
 except ImportError as error:
@@ -22,8 +48,17 @@ from .config import STATE_KEYS, SwapOptimizerConfig
 from .ops import LAYOUT_COLUMNS, fused_adam_packed, plan_packed_layout
 from .optimizer import SwapOptimizer
 
-__all__ = ["SwapOptimizer", "SwapOptimizerConfig", "StepCostModel", "STATE_KEYS", "built_with_cuda", "fused_adam_packed",
+__all__ = ["SwapOptimizer", "SwapOptimizerConfig", "StepCostModel", "STATE_KEYS", "build_info", "built_with_cuda", "fused_adam_packed",
            "plan_packed_layout", "LAYOUT_COLUMNS", "dequantize_state_dict"]
+
+
+def build_info() -> dict:
+    """What the installed extension was compiled against: {"torch": version,
+    "cuda": version or None, "cuda_kernels": bool}."""
+    from . import _build_info
+
+    return {"torch": _build_info.TORCH_VERSION, "cuda": _build_info.CUDA_VERSION,
+            "cuda_kernels": _build_info.WITH_CUDA_KERNELS}
 
 
 def built_with_cuda() -> bool:

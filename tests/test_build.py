@@ -50,3 +50,38 @@ def test_python_m_pytest_from_the_checkout_tests_the_installed_build():
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_build.py",
                           "-k", "installed_build_is_the_one_under_test"], cwd=root, capture_output=True, text=True)
     assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_the_build_records_the_torch_it_was_compiled_against():
+    info = swap_optimizer.build_info()
+    assert info == {"torch": torch.__version__, "cuda": torch.version.cuda,
+                    "cuda_kernels": swap_optimizer.built_with_cuda()}
+
+
+@pytest.mark.parametrize("recorded_torch, recorded_cuda", [("2.13.0+cpu", None), ("2.99.0+cu999", "99.9")])
+def test_importing_with_another_torch_names_both_and_the_fix(tmp_path, recorded_torch, recorded_cuda):
+    """A build made against another torch (pip's isolated build environment
+    takes the newest from the index) is refused at import, before _C is
+    loaded: the error names both torches and the rebuilding command. Faked by
+    rewriting the installed build's record in a copy of the package."""
+    import shutil
+    installed = os.path.dirname(swap_optimizer.__file__)
+    copy = tmp_path / "swap_optimizer"
+    shutil.copytree(installed, copy, ignore=shutil.ignore_patterns("__pycache__"), copy_function=os.symlink)
+    record = copy / "_build_info.py"
+    text = record.read_text()
+    record.unlink()
+    record.write_text(text.replace(repr(torch.__version__), repr(recorded_torch))
+                      .replace(f"CUDA_VERSION = {torch.version.cuda!r}", f"CUDA_VERSION = {recorded_cuda!r}"))
+    out = subprocess.run([sys.executable, "-P", "-c", "import swap_optimizer"], cwd=tmp_path, capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert out.returncode != 0
+    error = out.stderr.strip().splitlines()[-1]
+    assert error.startswith("ImportError: swap_optimizer was built against torch " + recorded_torch), error
+    assert f"but this Python has torch {torch.__version__}" in error
+    assert "pip install --no-build-isolation --force-reinstall --no-deps ." in error
+    # the same copy with the true record imports
+    record.write_text(text)
+    out = subprocess.run([sys.executable, "-P", "-c", "import swap_optimizer; print(swap_optimizer.__file__)"],
+                         cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert out.returncode == 0 and out.stdout.strip().startswith(str(tmp_path)), out.stderr[-2000:]
