@@ -781,10 +781,18 @@ class SwapOptimizer(torch.optim.Optimizer):
             self._ranked_by = (ids, list(overlap.first_reads))
         if self._settle_auto_budget() or not adopting or self._budget_now() is None:
             return  # an "auto" move took the first reads along
+        planning = self._planning
         try:
+            choice = plan_for_budget(self.config, self._budget_now(), planning.lay_out, planning.base,
+                                     planning.copy_bytes, self._device, self._resident_priority())
+            if not choice.resident_params and not (planning.choice and planning.choice.resident_params):
+                return  # the budget keeps no param resident either way: moving would change nothing
             # On failure the old layout, param order, is laid out again, and kept.
             self._move_to_new_plan(lambda: setattr(self, "_ranked_by", (ids, None)))
-        except Exception as error:  # the old plan holds every state: the step goes on in it
+        except Exception as error:
+            self._ranked_by = (ids, None)  # not retried for these params
+            if self._runtime is None:  # the old layout could not be laid out again either
+                raise
             warnings.warn(f"SwapOptimizer: laying the resident states out in the order the forward reads them "
                           f"failed ({type(error).__name__}: {error}); they stay in param order, which is as exact "
                           "but lets the forward wait longer for them", RuntimeWarning, stacklevel=3)
@@ -831,6 +839,14 @@ class SwapOptimizer(torch.optim.Optimizer):
         plan is laid out again (after `undo` restores what chose the new one)
         and filled from the same bytes, and the error raised; signals wait
         until one of them is whole."""
+        if self._overlap is not None:  # what any layout checks, checked while the old store still stands
+            params = self._params()
+            try:
+                _check_overlap_params(params)
+                self._overlap.check_params(params)
+            except BaseException:
+                undo()
+                raise
         with signals_after_the_step():  # a Ctrl-C is raised once every state is in a whole store
             saved = [{key: view.to("cpu", copy=True) if view.device.type != "cpu" else view
                       for key, view in views.items()} for views in self._views]

@@ -46,6 +46,7 @@ import signal
 import threading
 import warnings
 import weakref
+from collections import Counter
 from typing import Iterator, Optional
 
 import torch
@@ -686,10 +687,14 @@ class ForwardOverlap:
         first_call_of = {}
         for call, module in enumerate(calls):
             first_call_of.setdefault(id(module), call)
-        for block in find_blocks(self.model):
-            start = min((first_call_of[id(m)] for m in block.modules() if id(m) in first_call_of), default=None)
+        blocks = find_blocks(self.model)
+        # A module shared between blocks keeps its own first call: it would tie later blocks to the first.
+        owners = Counter(id(m) for block in blocks for m in block.modules())
+        for block in blocks:
+            own = [m for m in block.modules() if owners[id(m)] == 1]
+            start = min((first_call_of[id(m)] for m in own if id(m) in first_call_of), default=None)
             if start is not None:
-                block_start.update((id(m), start) for m in block.modules())
+                block_start.update((id(m), start) for m in own)
         return [r if r < 0 or r >= len(calls) else block_start.get(id(calls[r]), r) for r in rank]
 
     # --------------------------------------------------------- the pass

@@ -405,3 +405,66 @@ def test_auto_with_overlap_moves_once_into_the_forwards_order():
     names = [name for name, _ in model.named_parameters()]
     assert moves == [WARMUP] and optimizer.memory_stats()["device_budget_bytes"] is not None
     assert "embed.weight" in {names[i] for i in optimizer.memory_stats()["plan"]["resident_params"]}
+
+
+def test_a_layout_the_model_no_longer_allows_leaves_the_store_whole():
+    """A check any layout makes (here: a param the model no longer holds)
+    fails before the old store is let go: a warning, and every state kept."""
+    budget = a_quarter_resident_budget(Blocks)
+    torch.manual_seed(0)
+    model = Blocks()
+    optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=4, num_arenas=2, cost_model=SLOW_LINK,
+                                 device_budget_bytes=budget, overlap_forward=True, model=model)
+    model.head = nn.Linear(128, 128)  # surgery after the optimizer was made
+    with pytest.warns(RuntimeWarning, match="stay in param order"):
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            model(torch.randn(8, 64)).square().mean().backward()
+            optimizer.step()
+    optimizer.wait()
+    in_the_model = {id(p) for p in model.parameters()}
+    trained = [p for p in optimizer.param_groups[0]["params"] if id(p) in in_the_model]
+    assert len(trained) == 14 and len(optimizer.state_dict()["state"]) >= 14  # all but the old head
+    assert all(optimizer.state[p]["step"].item() == 3 for p in trained)
+
+
+class SharingBlock(nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.up, self.shared = nn.Linear(128, 128), shared
+
+    def forward(self, h):
+        return h + self.up(torch.relu(self.shared(h)))
+
+
+class SharedInBlocks(nn.Module):
+    """Every block calls one shared module (cross-layer sharing)."""
+
+    def __init__(self):
+        super().__init__()
+        shared = nn.Linear(128, 128)
+        self.embed = nn.Linear(64, 128)
+        self.blocks = nn.ModuleList(SharingBlock(shared) for _ in range(4))
+        self.head = nn.Linear(128, 8)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_a_module_shared_between_blocks_does_not_tie_them_together():
+    torch.manual_seed(0)
+    model = SharedInBlocks()
+    names = [name for name, _ in model.named_parameters()]
+    optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=4, num_arenas=2, cost_model=SLOW_LINK,
+                                 device_budget_bytes=10**8, overlap_forward=True, model=model)
+    for _ in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        model(torch.randn(8, 64)).square().mean().backward()
+        optimizer.step()
+    optimizer.wait()
+    resident_batches = [{names[i] for i in b["params"]} for b in optimizer._batch_plan() if b["resident"]]
+    for k in range(1, 4):  # each later block's own params form a resident batch of their own
+        assert {f"blocks.{k}.up.weight", f"blocks.{k}.up.bias"} in resident_batches
