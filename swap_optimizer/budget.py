@@ -14,6 +14,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .devices import DeviceLike, resolve_device
+
 # torch's CUDA caching allocator rounds every block up to a multiple of this,
 # and max_memory_allocated counts the rounded sizes.
 ALLOCATOR_GRANULE = 512
@@ -99,8 +101,9 @@ class StepCostModel:
     # The fixed costs are defaults: a batch costs a few copies and kernel
     # launches (on the CPU backend, hand-offs between threads).
     @classmethod
-    def for_device(cls, device: torch.device) -> "StepCostModel":
-        device = torch.device(device)
+    def for_device(cls, device: DeviceLike) -> "StepCostModel":
+        """Measured on `device` ("cuda" is the current GPU, "cuda:N" that one)."""
+        device = resolve_device(device)
         h2d, d2h, both = _measured_link(device)
         update = _measured_update(device)
         if device.type == "cuda":
@@ -560,6 +563,7 @@ class AutoBudget:
         optimizer holds throughout (its resident store), less the headroom.
         Every rank takes the least of all ranks'. None where nothing was
         measured (the CPU backend, without a simulation)."""
+        device = resolve_device(device)
         if self.simulated is not None:
             free, peak, now = (self.simulated[k] for k in ("free_bytes", "peak_bytes", "allocated_bytes"))
         elif device.type == "cuda":
@@ -575,10 +579,11 @@ class AutoBudget:
         return None if budget < 0 else budget
 
     @staticmethod
-    def least_over_ranks(value: int, device: torch.device) -> int:
+    def least_over_ranks(value: int, device: DeviceLike) -> int:
         """The least `value` of all ranks of the default process group (every
         rank must reach this step with an "auto" optimizer); `value` alone
         without torch.distributed."""
+        device = resolve_device(device)
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return value
         on = device if device.type == "cuda" and torch.distributed.get_backend() == "nccl" else "cpu"

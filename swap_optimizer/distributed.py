@@ -46,7 +46,8 @@ def _local_part(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
             value = value.redistribute(param.device_mesh, param.placements)
         return value.to_local()
     # A full tensor (every rank holds all of it): take this rank's part, no communication.
-    return distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements,
+    # (To this rank's device: the mesh's device type alone would be the current device.)
+    return distribute_tensor(value.to(_local(param).device), param.device_mesh, param.placements,
                              src_data_rank=None).to_local()
 
 

@@ -72,10 +72,10 @@ at::Tensor allocate_host_slab(int64_t bytes, bool try_pin, bool* pinned) {
 
 void simulate_pin_failure(bool enabled) { pin_failure_simulated.store(enabled); }
 
-std::unique_ptr<Transport> make_transport(const c10::Device& device, int slots, bool separate_copy_queues) {
-  if (device.is_cpu()) return std::make_unique<HostTransport>(slots, separate_copy_queues);
+c10::Device resolve_device(const c10::Device& device) {
+  if (device.is_cpu()) return device;
 #ifdef SWAP_OPTIMIZER_WITH_CUDA
-  if (device.is_cuda()) return make_cuda_transport(device.index(), slots, separate_copy_queues);
+  if (device.is_cuda()) return c10::Device(c10::kCUDA, resolve_cuda_index(device.index()));
 #endif
   TORCH_CHECK_VALUE(false, "SwapOptimizer: params are on ", device, " but this build of swap_optimizer ",
                     device.is_cuda() ? "has no CUDA support; reinstall it with a CUDA build of torch and nvcc "
@@ -83,15 +83,25 @@ std::unique_ptr<Transport> make_transport(const c10::Device& device, int slots, 
                                      : "supports only CPU and CUDA tensors");
 }
 
-int64_t free_device_bytes(const c10::Device& device) {
+std::unique_ptr<Transport> make_transport(const c10::Device& requested, int slots, bool separate_copy_queues) {
+  const c10::Device device = resolve_device(requested);
+#ifdef SWAP_OPTIMIZER_WITH_CUDA
+  if (device.is_cuda()) return make_cuda_transport(device.index(), slots, separate_copy_queues);
+#endif
+  return std::make_unique<HostTransport>(slots, separate_copy_queues);
+}
+
+int64_t free_device_bytes(const c10::Device& requested) {
+  const c10::Device device = resolve_device(requested);
 #ifdef SWAP_OPTIMIZER_WITH_CUDA
   if (device.is_cuda()) return cuda_free_bytes(device.index());
 #endif
   return static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGESIZE);
 }
 
-CopyBandwidth measure_copy_bandwidth(const c10::Device& device, int64_t bytes, int repeats) {
+CopyBandwidth measure_copy_bandwidth(const c10::Device& requested, int64_t bytes, int repeats) {
   TORCH_CHECK_VALUE(bytes > 0 && repeats > 0, "measure_copy_bandwidth: need bytes > 0 and repeats > 0");
+  const c10::Device device = resolve_device(requested);
   const c10::DeviceGuard guard(device);  // a no-op for CPU
   bool pinned = false;
   const at::Tensor host_in = allocate_host_slab(bytes, device.is_cuda(), &pinned);

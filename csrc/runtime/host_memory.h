@@ -19,6 +19,11 @@ at::Tensor allocate_host_slab(int64_t bytes, bool try_pin, bool* pinned);
 // had refused it.
 void simulate_pin_failure(bool enabled);
 
+// `device` with its index: an unindexed CUDA device (torch's "cuda", -1 here)
+// is the current one, which CUDA's own calls need named. Every entry below
+// resolves its device first.
+c10::Device resolve_device(const c10::Device& device);
+
 // The transport for `device`: CUDA streams and events, or the host backend's
 // worker threads for CPU. Fails with a clear error for a CUDA device in a
 // build without CUDA.

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from .. import built_with_cuda
+from ..devices import resolve_device
 from .model import PRESETS, GPTConfig
 from .report import Progress, overlap_check_costs, table, write_json, write_plot, write_timeline
 from .runner import OPTIMIZERS, STATE_MODES, make_modes, measure_bandwidth, run_mode, torchao_offload_class
@@ -30,6 +31,7 @@ def _positive_int(text: str) -> int:
 
 
 def _device(text: str) -> torch.device:
+    """--device as written (checked, resolved once the GPU is known to be there)."""
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -184,6 +186,12 @@ def main(argv=None) -> int:
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and not (torch.cuda.is_available() and built_with_cuda()):
         p.error("--device cuda needs a GPU and a CUDA build of swap_optimizer")
+    try:  # "cuda" is the current GPU, cuda:N that one: the runtime is always given an index
+        device = resolve_device(device)
+    except ValueError as error:
+        p.error(str(error))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the timers' events and streams are the current device's
     check_arguments(p, args)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: pip install matplotlib")

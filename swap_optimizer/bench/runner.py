@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .. import _C
+from ..devices import resolve_device
 from ..optimizer import SwapOptimizer
 from ..overlap import hooks_suspended
 from .model import GPT, GPTConfig
@@ -149,7 +150,7 @@ def make_modes(device: torch.device, dtype: torch.dtype, swap_times: list[int], 
 
 
 def measure_bandwidth(device: torch.device, nbytes: int, repeats: int) -> Bandwidth:
-    return Bandwidth(*_C.measure_copy_bandwidth(device, nbytes, repeats))
+    return Bandwidth(*_C.measure_copy_bandwidth(resolve_device(device), nbytes, repeats))
 
 
 class Timer:

@@ -2,6 +2,7 @@
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -294,6 +295,14 @@ void* allocate_pinned(int64_t bytes) {
 }
 
 void free_pinned(void* pointer) noexcept { C10_CUDA_IGNORE_ERROR(cudaFreeHost(pointer)); }
+
+c10::DeviceIndex resolve_cuda_index(c10::DeviceIndex device) {
+  if (device < 0) return c10::cuda::current_device();
+  const c10::DeviceIndex count = c10::cuda::device_count();
+  TORCH_CHECK_VALUE(device < count, "SwapOptimizer: cuda:", static_cast<int>(device), " does not exist: this machine has ",
+                    static_cast<int>(count), " CUDA device(s); pass one of those, or 'cuda' for the current one");
+  return device;
+}
 
 int64_t cuda_free_bytes(c10::DeviceIndex device) {
   const c10::cuda::CUDAGuard guard(device);

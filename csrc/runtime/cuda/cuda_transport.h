@@ -19,6 +19,10 @@ std::unique_ptr<Transport> make_cuda_transport(c10::DeviceIndex device, int slot
 void* allocate_pinned(int64_t bytes);
 void free_pinned(void* pointer) noexcept;
 
+// `device` itself, or the current CUDA device for -1 (an unindexed "cuda");
+// fails with the device count for an index this machine does not have.
+c10::DeviceIndex resolve_cuda_index(c10::DeviceIndex device);
+
 // The driver's free memory on `device` plus what the caching allocator has
 // reserved there but not handed out.
 int64_t cuda_free_bytes(c10::DeviceIndex device);
