@@ -385,6 +385,13 @@ class _Watch:
 
     @classmethod
     def unregister(cls, overlap: "ForwardOverlap") -> None:
+        if not overlap.complete_dropped_step():
+            # Collected on the thread that runs its pending step's update (a
+            # garbage collection inside the rule's Python code), which cannot
+            # wait for it: the pass goes on, orphaned, its hooks and watch
+            # waiting as before, and unregisters itself when it ends.
+            overlap.orphaned = True
+            return
         overlap.finish_pass()
         overlap.drop_watch()  # an optimizer dropped mid-pass leaves no watch behind
         cls.overlaps = tuple(o for o in cls.overlaps if o is not overlap)
@@ -491,6 +498,7 @@ class ForwardOverlap:
         # Per param, from the last probe: where the forward first needs it (_first_reads); None before one.
         self.first_reads: Optional[list[int]] = None
         self._last_step_deferred = False
+        self.orphaned = False  # its optimizer is gone, its last step not yet waited for (_Watch.unregister)
         self._set_modules()
         self._lock = threading.RLock()
         self.enqueuing = False  # set by before_step(); step() clears it once after_step() has run
@@ -501,6 +509,9 @@ class ForwardOverlap:
 
     def _reset_pass(self) -> None:
         self.pending = False        # positions of a deferred step may still be running
+        # The runtime of the pending step, held by the pass itself: the optimizer
+        # may be dropped before anything waits (complete_dropped_step).
+        self._pending_runtime = None
         self.probing = False
         self.owner = None           # the thread that called step()
         self._depth = 0             # open calls of the model's modules on that thread
@@ -601,6 +612,7 @@ class ForwardOverlap:
     def _begin_overlapped(self, runtime, grads) -> None:
         plan = self.plan
         self.pending = True
+        self._pending_runtime = runtime
         self.unproven = self.device.type == "cuda"
         last = self._param_positions
         self._last_position = max(last, default=-1)
@@ -699,6 +711,8 @@ class ForwardOverlap:
 
     # --------------------------------------------------------- the pass
     def _runtime(self):
+        if self._pending_runtime is not None:  # the pending step's, also once its optimizer is gone
+            return self._pending_runtime
         optimizer = self._optimizer()
         return None if optimizer is None else optimizer.__dict__.get("_runtime")
 
@@ -751,6 +765,10 @@ class ForwardOverlap:
     def finish_pass(self) -> None:
         """No position is pending any more (or the probe ended)."""
         self.pending = False
+        self._pending_runtime = None
+        if self.orphaned:  # its optimizer is gone, and the step it left is done now
+            self.orphaned = False
+            _Watch.unregister(self)
         self.probing = False
         self._spans = None
         self._pop_watch()  # inside the watch's own call: the next module call or wait takes it off
@@ -799,6 +817,29 @@ class ForwardOverlap:
             runtime.wait_step()  # a failure of the step is raised here, once
         self.pending = False
         self._spans = None
+
+    def complete_dropped_step(self) -> bool:
+        """The optimizer was collected (del opt, or a train() that returns only
+        the model) while its last step was pending: that step still completes
+        (its runtime, held by the pass, and its update rule hold what it needs),
+        and the caller's stream waits for it here, as the next forward would
+        have. A finalizer cannot raise, so a failure is a warning that says
+        what it left. False where this thread cannot wait: the one running the
+        step's update."""
+        runtime = self._pending_runtime
+        if not self.pending or runtime is None:
+            return True
+        if runtime.on_update_thread():
+            return False
+        try:
+            runtime.wait_step()
+        except Exception as error:  # noqa: BLE001  (reported, not swallowed)
+            warnings.warn(f"SwapOptimizer(overlap_forward=True) was dropped while its last step was still running, "
+                          f"and that step failed: {error}. The params that step had not reached keep their values "
+                          "from before it (a param cut into pieces may be partly updated); load the last checkpoint "
+                          "into a new optimizer, or keep the optimizer and call optimizer.wait() after the last "
+                          "step() to see such a failure raised", RuntimeWarning, stacklevel=2)
+        return True
 
     def on_call(self, module: nn.Module) -> None:
         """A module call anywhere (the global pre-hook)."""

@@ -8,6 +8,7 @@ import copy
 import math
 import numbers
 import weakref
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -154,13 +155,132 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def _fresh(value: Any) -> Any:
-    """A copy of a group value that a call may change in place (a tensor, a
-    container), so that every call starts from the value before the step."""
+    """A copy of a group value that may change in place (a tensor, a container,
+    a tuple of tensors such as tensor betas): what a step's batches read is the
+    value at step(), whatever a call, a scheduler's in-place fill_ or
+    GradScaler does to the original meanwhile."""
     if torch.is_tensor(value):
         return value.clone()
-    if isinstance(value, (list, dict, set)):
+    if isinstance(value, (list, tuple, dict, set)):
         return copy.deepcopy(value)
     return value
+
+
+@dataclass
+class _StepContext:
+    """Everything a step's batch updates read, captured at step(): the runtime
+    holds it (through _BatchRule) until the step is done, so a deferred step
+    completes with these values whatever happens meanwhile to the groups (a
+    scheduler writing a tensor lr in place), GradScaler's tensors, or the
+    SwapOptimizer itself (dropped before anything waited)."""
+
+    optimizer: torch.optim.Optimizer        # the wrapped one: its class's step, its attributes
+    plan: list[dict]                        # the runtime's batch plan
+    keys: list[str]                         # the store's state keys, in arena offset order
+    views: list[dict]                       # per param: its state views in the store (shapes, dtypes)
+    layouts: list[tuple]                    # per param: the states it keeps
+    scalars: list[dict]                     # per param: its scalars now (the last piece writes them)
+    scalars_before: list[dict]              # per param: copies of its scalars before the step
+    had_state: list[bool]                   # per param: whether it had stepped before
+    group_of: list[int]                     # per param: its group
+    step_groups: list[dict]                 # per group: copies of its values at step()
+    grad_scale: dict                        # GradScaler's grad_scale / found_inf, copies
+    learner: Optional[Any] = None           # a vouched-for optimizer's SwapOptimizer (never deferred)
+
+
+class _BatchRule:
+    """The update the runtime calls for each batch. It holds the current
+    step's context, never the SwapOptimizer: the optimizer holds the runtime,
+    so a reference back would keep both alive."""
+
+    def __init__(self) -> None:
+        self.step: Optional[_StepContext] = None
+
+    def __call__(self, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
+                 grads: list[Optional[torch.Tensor]]) -> None:
+        _update_batch(self.step, batch, arena, params, grads)
+
+
+def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
+                  grads: list[Optional[torch.Tensor]]) -> None:
+    """One batch of `step`, by torch's own step: each row (a param, or a piece
+    of a cut one) becomes a param of its group with the staged views as its
+    state; torch's call creates or replaces states at a param's first step,
+    which are then copied into the arena."""
+    plan = step.plan[batch]
+    groups: dict[int, list[torch.Tensor]] = {}
+    state: dict[torch.Tensor, dict] = {}
+    rows = []
+    for (index, offset, count), offsets, param, grad in zip(plan["pieces"], plan["arena_offsets"], params,
+                                                              grads):
+        if grad is None:
+            continue
+        whole = offset == 0 and count == param.numel()
+        if whole:
+            piece, piece_grad = param.detach(), grad
+        else:  # only contiguous params are cut
+            piece = param.detach().view(-1)[offset:offset + count]
+            piece_grad = grad.reshape(-1)[offset:offset + count]
+        piece.grad = piece_grad
+        views = {}
+        for key, arena_offset in zip(step.keys, offsets):
+            if arena_offset < 0:
+                continue
+            described = step.views[index][key]
+            shape = described.shape if whole else (count,)
+            numel = described.numel() if whole else count
+            nbytes = numel * described.element_size()
+            views[key] = arena[arena_offset:arena_offset + nbytes].view(described.dtype).view(shape)
+        entry = {}
+        if step.had_state[index]:
+            entry.update(views)
+            for name, value in step.scalars_before[index].items():
+                entry[name] = value.clone() if torch.is_tensor(value) else value
+        groups.setdefault(step.group_of[index], []).append(piece)
+        state[piece] = entry
+        rows.append((index, offset + count == param.numel(), piece, views))
+    if not rows:
+        return
+    learner = step.learner
+    if learner is not None:  # a vouched-for step may write its groups: each call gets copies, checked after
+        calls = [learner._call_group(g, pieces) for g, pieces in sorted(groups.items())]
+        run_torch_update(step.optimizer, [group for group, _ in calls], state, strict=True)
+        for g, (call_group, start) in zip(sorted(groups), calls):
+            learner._note_groups_after(g, call_group, start)
+    else:  # torch's own steps leave their groups as they are
+        run_torch_update(step.optimizer, [dict(step.step_groups[g], params=pieces)
+                                          for g, pieces in sorted(groups.items())], state,
+                         grad_scale=step.grad_scale)
+    name = type(step.optimizer).__name__
+    source = "it kept at its first update" if learner is not None else "its declaration says it keeps"
+    for index, last, piece, views in rows:
+        entry = state[piece]
+        kept = {spec.name for spec in step.layouts[index]}
+        # (a vouched-for param that kept nothing at its first update must keep nothing still)
+        if (step.had_state[index] or learner is not None) and set(entry) != kept:
+            raise RuntimeError(f"SwapOptimizer: {name}'s step left param {index} with states {sorted(entry)}, but "
+                               f"{source} {sorted(kept)}: SwapOptimizer keeps a param's states from its first "
+                               "update on, as torch.optim does. This optimizer cannot be wrapped; keep its state "
+                               "on the device")
+        for key, view in views.items():
+            value = entry.get(key)
+            if value is None:
+                raise RuntimeError(f"SwapOptimizer: {name}'s step kept no '{key}' for param {index}, which "
+                                   f"{source}")
+            if value is not view:  # created or replaced by torch's step: adopted into the store
+                view.copy_(value)
+        if last:  # the param's scalars after the step: in place, as torch keeps them (identity included)
+            scalars = step.scalars[index]
+            for spec in step.layouts[index]:
+                if spec.kind != SCALAR:
+                    continue
+                old, new = scalars.get(spec.name), entry[spec.name]
+                if torch.is_tensor(old) and torch.is_tensor(new) and old.shape == new.shape and \
+                        old.dtype == new.dtype and old.device == new.device:
+                    old.copy_(new)
+                else:
+                    scalars[spec.name] = new
+
 
 
 class RuleSwapOptimizer(SwapOptimizer):
@@ -281,7 +401,7 @@ class RuleSwapOptimizer(SwapOptimizer):
             raise ValueError(f"SwapOptimizerConfig.state_keys: {unknown} are not states of "
                              f"{type(self.optimizer).__name__} here; its states are {keys}")
         swap_keys = [self.config.state_keys is None or key in self.config.state_keys for key in keys]
-        itself = weakref.ref(self)  # the runtime holds the rule; the rule must not keep this optimizer alive
+        itself = weakref.ref(self)  # the plan keeps lay_out, which must not keep this optimizer alive
 
         def lay_out(swappable_now: list[bool], swap_times: int, num_arenas: int) -> dict:
             summary = _C.plan_rule_staging(locals_, states, swappable_now, splittable, swap_keys,
@@ -293,8 +413,8 @@ class RuleSwapOptimizer(SwapOptimizer):
         planning = Planning.make(self.config, self._budget_now(), lay_out, swappable, copies, self._device,
                                  lambda: self._swap_times_for_budget(locals_, states, swappable, splittable, swap_keys),
                                  priority=self._resident_priority())
-        runtime = _C.SwapRuntime(locals_, states, planning.swappable, splittable,
-                                 lambda *args: itself()._update_batch(*args),
+        rule = _BatchRule()
+        runtime = _C.SwapRuntime(locals_, states, planning.swappable, splittable, rule,
                                  swap_times=planning.swap_times, num_arenas=planning.num_arenas,
                                  pin_memory=self.config.pin_memory, keep_arenas=self.config.keep_arenas,
                                  swap_keys=swap_keys, resident_groups=self._resident_groups())
@@ -318,6 +438,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         if self._overlap is not None:  # a new store: the next pass probes again
             self._overlap.lay_out(params)
         self._runtime = runtime
+        self._rule = rule
         if learned is not None:
             self._learned = learned
         self._keys = keys
@@ -475,7 +596,6 @@ class RuleSwapOptimizer(SwapOptimizer):
                              f"but param group(s) {not_fused} of {type(self.optimizer).__name__} are not fused=True "
                              "(any more), and only torch's fused SGD and Adagrad take them: set fused=True there, or "
                              "wrap with unscale_in_step=False")
-        self._grad_scale = amp
         self._follow()
         params = self._params()
         data_pointers = [_local(p).data_ptr() for p in params]
@@ -490,8 +610,10 @@ class RuleSwapOptimizer(SwapOptimizer):
                                    "is the optimizer for sparse ones)")
         self._sync_edits(params)
         self._settle_plan()
-        # What every batch call starts from: the groups before the step.
-        self._step_groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+        # What every batch call starts from: the groups as they are now, copied
+        # (a deferred step runs on after step() returns, while a scheduler may
+        # write a tensor lr in place).
+        self._step_groups = [{k: _fresh(v) for k, v in group.items() if k != "params"} for group in self.param_groups]
         self._group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         self._groups_after: dict[int, dict] = {}
         # A vouched-for optimizer's params without state yet are updated whole,
@@ -511,9 +633,17 @@ class RuleSwapOptimizer(SwapOptimizer):
                     self._probe_contract(params, grads, [i for i, grad in enumerate(grads) if grad is not None])
                 if first:
                     self._learn_first_updates(params, grads, first)
-                self._had_state = list(self._shown)
-                self._scalars_before = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                                        for s in self._scalars]  # the kept tensors are the last piece's to write
+                # The step's context, held by the runtime's rule until the step is done
+                # (after the first updates: they may lay the store out again).
+                self._rule.step = _StepContext(
+                    optimizer=self.optimizer, plan=self._plan, keys=self._keys, views=self._views,
+                    layouts=self._layouts_now, scalars=self._scalars,
+                    # the kept tensors are the last piece's to write
+                    scalars_before=[{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                                    for s in self._scalars],
+                    had_state=list(self._shown), group_of=self._group_of, step_groups=self._step_groups,
+                    grad_scale={name: _fresh(value) for name, value in amp.items()},
+                    learner=self if self._learning else None)
                 streamed = [None if i in first else grad for i, grad in enumerate(grads)]
                 if self._overlap is not None:
                     self._overlap.before_step(deferred)
@@ -527,7 +657,8 @@ class RuleSwapOptimizer(SwapOptimizer):
                 self._stepping = False
                 if self._overlap is not None:
                     self._overlap.enqueuing = False  # its pass has begun, or step() raised
-                # (_step_groups and the scalars before stay: a deferred step's batches read them)
+                if self._learning:  # never deferred: done, and the context must not keep this optimizer alive
+                    self._rule.step = None
             state = self.__dict__["_state"]
             for i, grad in enumerate(grads):
                 if grad is not None and self._layouts_now[i]:  # SGD without momentum keeps no state, as in torch
@@ -720,85 +851,6 @@ class RuleSwapOptimizer(SwapOptimizer):
             return
         self._synchronize()
         self._lay_out({p: _copied(state[p]) for p in params if state.get(p)})
-
-    def _update_batch(self, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
-                      grads: list[Optional[torch.Tensor]]) -> None:
-        """One batch, by torch's own step: each row (a param, or a piece of a
-        cut one) becomes a param of its group with the staged views as its
-        state; torch's call creates or replaces states at a param's first
-        step, which are then copied into the arena."""
-        plan = self._plan[batch]
-        groups: dict[int, list[torch.Tensor]] = {}
-        state: dict[torch.Tensor, dict] = {}
-        rows = []
-        for (index, offset, count), offsets, param, grad in zip(plan["pieces"], plan["arena_offsets"], params,
-                                                                  grads):
-            if grad is None:
-                continue
-            whole = offset == 0 and count == param.numel()
-            if whole:
-                piece, piece_grad = param.detach(), grad
-            else:  # only contiguous params are cut
-                piece = param.detach().view(-1)[offset:offset + count]
-                piece_grad = grad.reshape(-1)[offset:offset + count]
-            piece.grad = piece_grad
-            views = {}
-            for key, arena_offset in zip(self._keys, offsets):
-                if arena_offset < 0:
-                    continue
-                described = self._views[index][key]
-                shape = described.shape if whole else (count,)
-                numel = described.numel() if whole else count
-                nbytes = numel * described.element_size()
-                views[key] = arena[arena_offset:arena_offset + nbytes].view(described.dtype).view(shape)
-            entry = {}
-            if self._had_state[index]:
-                entry.update(views)
-                for name, value in self._scalars_before[index].items():
-                    entry[name] = value.clone() if torch.is_tensor(value) else value
-            groups.setdefault(self._group_of[index], []).append(piece)
-            state[piece] = entry
-            rows.append((index, offset + count == param.numel(), piece, views))
-        if not rows:
-            return
-        if self._learning:  # a vouched-for step may write its groups: each call gets copies, checked after
-            calls = [self._call_group(g, pieces) for g, pieces in sorted(groups.items())]
-            run_torch_update(self.optimizer, [group for group, _ in calls], state, strict=True)
-            for g, (call_group, start) in zip(sorted(groups), calls):
-                self._note_groups_after(g, call_group, start)
-        else:  # torch's own steps leave their groups as they are
-            run_torch_update(self.optimizer, [dict(self._step_groups[g], params=pieces)
-                                              for g, pieces in sorted(groups.items())], state,
-                             grad_scale=self._grad_scale)
-        name = type(self.optimizer).__name__
-        source = "it kept at its first update" if self._learning else "its declaration says it keeps"
-        for index, last, piece, views in rows:
-            entry = state[piece]
-            kept = {spec.name for spec in self._layouts_now[index]}
-            # (a vouched-for param that kept nothing at its first update must keep nothing still)
-            if (self._had_state[index] or self._learning) and set(entry) != kept:
-                raise RuntimeError(f"SwapOptimizer: {name}'s step left param {index} with states {sorted(entry)}, but "
-                                   f"{source} {sorted(kept)}: SwapOptimizer keeps a param's states from its first "
-                                   "update on, as torch.optim does. This optimizer cannot be wrapped; keep its state "
-                                   "on the device")
-            for key, view in views.items():
-                value = entry.get(key)
-                if value is None:
-                    raise RuntimeError(f"SwapOptimizer: {name}'s step kept no '{key}' for param {index}, which "
-                                       f"{source}")
-                if value is not view:  # created or replaced by torch's step: adopted into the store
-                    view.copy_(value)
-            if last:  # the param's scalars after the step: in place, as torch keeps them (identity included)
-                scalars = self._scalars[index]
-                for spec in self._layouts_now[index]:
-                    if spec.kind != SCALAR:
-                        continue
-                    old, new = scalars.get(spec.name), entry[spec.name]
-                    if torch.is_tensor(old) and torch.is_tensor(new) and old.shape == new.shape and \
-                            old.dtype == new.dtype and old.device == new.device:
-                        old.copy_(new)
-                    else:
-                        scalars[spec.name] = new
 
     # ----------------------------------------------------------- state dicts
     def state_dict(self) -> dict[str, Any]:  # noqa: D102  (torch.optim API)

@@ -10,6 +10,7 @@
 #include <ATen/ops/tensor.h>
 
 #include <algorithm>
+#include <thread>
 #include <tuple>
 
 namespace swap_optimizer {
@@ -178,9 +179,16 @@ runtime::BatchUpdate python_batch_update(py::function update) {
 }
 
 // The runtime may hold a Python update rule that its update thread runs with
-// the GIL: it is destroyed (which waits for that thread) without the GIL.
+// the GIL: it is destroyed (which waits for that thread) without the GIL. Its
+// last reference may go on that very thread (a garbage collection run by the
+// rule's Python code): the deferred step it is running still needs it, so
+// another thread destroys it once that step is done.
 struct DeleteWithoutGil {
   void operator()(SwapRuntime* runtime) const {
+    if (runtime->on_update_thread()) {
+      std::thread([runtime] { delete runtime; }).detach();
+      return;
+    }
     if (PyGILState_Check()) {
       py::gil_scoped_release no_gil;
       delete runtime;
@@ -289,6 +297,9 @@ void bind_runtime(py::module& module) {
       .def("set_batch_order", &SwapRuntime::set_batch_order, py::arg("rank_of_param"),
            py::call_guard<py::gil_scoped_release>(),
            "Runs batches in the order of their params' ranks (chains of cut params move whole).")
+      .def("on_update_thread", &SwapRuntime::on_update_thread,
+           "Whether the caller is the thread that runs deferred steps' updates (host backend), which cannot "
+           "wait for them.")
       .def("has_deferred_step", &SwapRuntime::has_deferred_step, py::call_guard<py::gil_scoped_release>(),
            "Whether a deferred step has not been waited for yet.")
       .def("pipeline_order", &SwapRuntime::pipeline_order, py::call_guard<py::gil_scoped_release>(),

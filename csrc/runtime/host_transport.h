@@ -29,6 +29,7 @@ class WorkerQueue {
   uint64_t submit(std::function<void()> task);
   uint64_t submitted() const;
   void wait_for(uint64_t ticket);
+  std::thread::id thread_id() const { return worker_.get_id(); }
 
  private:
   void run();

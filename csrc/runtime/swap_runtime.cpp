@@ -742,7 +742,10 @@ void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
   if (device_.is_cpu()) {
     allocate_arenas();  // held until the step is finished (finish_deferred)
     transport_->open_ready(static_cast<int64_t>(order_.size()));
-    if (!update_thread_) update_thread_ = std::make_unique<WorkerQueue>();
+    if (!update_thread_) {
+      update_thread_ = std::make_unique<WorkerQueue>();
+      update_thread_id_ = update_thread_->thread_id();
+    }
     // The pipeline runs on the update thread with this thread's thread-local
     // state (grad mode, dispatch keys), below Python's dispatch keys: a
     // Python mode active here must not make the update thread need the GIL,
@@ -825,7 +828,7 @@ void SwapRuntime::finish_deferred() {
 }
 
 void SwapRuntime::wait_ready(int64_t position) {
-  if (stepping_thread_ == std::this_thread::get_id()) return;  // see wait_step
+  if (stepping_thread_ == std::this_thread::get_id() || on_update_thread()) return;  // see wait_step
   const std::lock_guard<std::mutex> lock(step_mutex_);
   TORCH_CHECK_INDEX(position >= 0 && position < static_cast<int64_t>(order_.size()), "SwapRuntime: no batch at ",
                     "position ", position, " of ", order_.size());
@@ -844,7 +847,7 @@ void SwapRuntime::wait_ready(int64_t position) {
 }
 
 bool SwapRuntime::has_deferred_step() const {
-  if (stepping_thread_ == std::this_thread::get_id()) return false;  // see wait_step
+  if (stepping_thread_ == std::this_thread::get_id() || on_update_thread()) return false;  // see wait_step
   const std::lock_guard<std::mutex> lock(step_mutex_);
   return deferred_ != nullptr;
 }
@@ -852,8 +855,9 @@ bool SwapRuntime::has_deferred_step() const {
 void SwapRuntime::wait_step() {
   // A signal handler inside this thread's own whole step (check_interrupt):
   // that step began by finishing any deferred one, so nothing is deferred, and
-  // waiting for the step lock it holds would never end.
-  if (stepping_thread_ == std::this_thread::get_id()) return;
+  // waiting for the step lock it holds would never end. Nor can the update
+  // thread wait for the step it runs (Python code in its update rule).
+  if (stepping_thread_ == std::this_thread::get_id() || on_update_thread()) return;
   const std::lock_guard<std::mutex> lock(step_mutex_);
   const c10::DeviceGuard guard(device_);
   finish_deferred();

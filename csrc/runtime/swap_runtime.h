@@ -167,6 +167,12 @@ class SwapRuntime {
   void wait_step();
   bool has_deferred_step() const;  // a deferred step not yet waited for
 
+  // Whether the caller is this runtime's update thread (host backend), which
+  // runs a deferred step's Python update rule: Python code there (a garbage
+  // collection, say) must neither wait for that step (the waits above return
+  // at once there) nor destroy the runtime in the middle of it.
+  bool on_update_thread() const { return update_thread_id_.load() == std::this_thread::get_id(); }
+
   // Runs the batches in the order of their params' ranks (a chain of batches
   // that cut a param moves as one, by its least rank; ties keep plan order).
   // The host slabs stay where they are. pipeline_order()[p]: the plan's index
@@ -249,6 +255,7 @@ class SwapRuntime {
   std::vector<std::vector<int64_t>> last_read_at_;  // per position: the params whose last batch it is
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<WorkerQueue> update_thread_;  // host backend, deferred steps; made at the first
+  std::atomic<std::thread::id> update_thread_id_{};  // its thread, readable without the lock
   std::shared_ptr<Step> deferred_;              // the deferred step not yet finished, if any
   uint64_t deferred_ticket_ = 0;                // its job on update_thread_
   std::atomic<int64_t> held_grad_bytes_{0};     // grads it still holds (read by memory_stats without the lock)

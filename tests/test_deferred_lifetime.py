@@ -1,0 +1,268 @@
+"""A deferred step (overlap_forward=True) lives as long as it runs, whatever
+becomes of the Python objects around it: an optimizer dropped after its last
+step() (`del opt`, or a train() that returns only the model) still lands that
+step in the model, bitwise the run without overlap; a step that fails after
+its optimizer is gone says so; and the values it reads are those at step()
+(a tensor lr that a scheduler fills in place right after, GradScaler's
+tensors)."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import swap_optimizer as so
+from conftest import DEVICES
+from test_overlap import build, loss_of, tokens_for
+from test_overlap_rules import OPTIMIZERS
+from test_trusted_optimizers import Lion
+
+FAMILIES = {
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),  # the packed fused kernel
+    **OPTIMIZERS,                                                            # torch's own update on staged views
+    "Lion": lambda ps: Lion(ps),                                             # vouched for (its steps run whole)
+}
+STEPS = 4  # the first is the probe, the rest run beside the next forward
+
+
+def train(device, name, overlap, steps=STEPS, keep=None):
+    """Trains and returns only the model: the optimizer goes when this returns
+    (`keep` holds a weak reference to it), its last step possibly still running."""
+    model = build(device)
+    extra = dict(model=model, overlap_forward=True) if overlap else {}
+    trust = dict(trust_per_param_step=True) if name == "Lion" else {}
+    optimizer = so.SwapOptimizer(FAMILIES[name](model.parameters()), swap_times=6, num_arenas=3, min_numel=0,
+                                 **trust, **extra)
+    if overlap:  # every update lags far behind: the last step is surely running when the optimizer goes
+        optimizer._set_test_hooks(copy_delay_us=2000, compute_delay_us=2000, seed=7)
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss_of(model, tokens_for(step, device)).backward()
+        optimizer.step()
+    if keep is not None:
+        keep.append(weakref.ref(optimizer))
+    return model
+
+
+def params_of(model):
+    return [p.detach().cpu().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_dropped_optimizer_still_lands_its_last_step(name, device):
+    device = torch.device(device)
+    expected = params_of(train(device, name, overlap=False))
+    dropped = []
+    model = train(device, name, overlap=True, keep=dropped)
+    assert dropped[0]() is None, "the optimizer outlived train(): nothing was dropped"
+    got = params_of(model)  # no hook is left to wait here
+    for index, (a, b) in enumerate(zip(expected, got)):
+        assert torch.equal(a, b), f"{name}: param {index} differs ({(a != b).sum().item()} elements)"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deleting_the_optimizer_and_the_model_keeps_the_update(device):
+    device = torch.device(device)
+    expected = params_of(train(device, "NAdam", overlap=False))
+    model = build(device)
+    params = list(model.parameters())
+    optimizer = so.SwapOptimizer(FAMILIES["NAdam"](params), swap_times=6, num_arenas=3, min_numel=0, model=model,
+                                 overlap_forward=True)
+    optimizer._set_test_hooks(copy_delay_us=2000, compute_delay_us=2000, seed=7)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_of(model, tokens_for(step, device)).backward()
+        optimizer.step()
+    del model, optimizer  # only the params are left
+    gc.collect()
+    for index, (a, p) in enumerate(zip(expected, params)):
+        assert torch.equal(a, p.detach().cpu()), f"param {index} differs"
+
+
+@pytest.mark.parametrize("name", ["AdamW", "NAdam"])
+def test_a_dropped_optimizer_whose_last_step_fails_warns(name):
+    device = torch.device("cpu")
+    model = build(device)
+    optimizer = so.SwapOptimizer(FAMILIES[name](model.parameters()), swap_times=6, num_arenas=3, min_numel=0,
+                                 model=model, overlap_forward=True)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_of(model, tokens_for(step, device)).backward()
+        if step == STEPS - 1:  # the last, deferred step fails at its third batch, after step() returned
+            optimizer._set_test_hooks(compute_delay_us=2000, seed=7, fault="update", fault_batch=2)
+        optimizer.step()
+    assert optimizer._overlap.pending
+    with pytest.warns(RuntimeWarning, match=r"dropped while its last step was still running, and that step failed"):
+        del optimizer
+        gc.collect()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("implementation", ["foreach", "fused", "for-loop"])
+def test_a_tensor_lr_filled_by_the_scheduler_after_step_does_not_reach_the_deferred_step(implementation, device):
+    """LRScheduler writes a tensor lr in place (fill_) right after step()
+    returns; the deferred step reads the lr of its step()."""
+    device = torch.device(device)
+    flags = {"foreach": dict(foreach=True), "fused": dict(fused=True), "for-loop": dict(foreach=False)}[implementation]
+
+    def run(overlap):
+        model = build(device)
+        extra = dict(model=model, overlap_forward=True) if overlap else {}
+        inner = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.05), momentum=0.9, **flags)
+        optimizer = so.SwapOptimizer(inner, swap_times=6, num_arenas=3, min_numel=0, **extra)
+        if overlap:
+            optimizer._set_test_hooks(copy_delay_us=2000, compute_delay_us=2000, seed=7)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5 ** epoch)
+        losses = []
+        for step in range(5):
+            optimizer.zero_grad()
+            loss = loss_of(model, tokens_for(step, device))
+            loss.backward()
+            losses.append(loss.detach())
+            optimizer.step()
+            scheduler.step()
+        optimizer.wait()
+        return losses, params_of(model)
+
+    (losses_off, params_off), (losses_on, params_on) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(losses_off, losses_on))
+    for index, (a, b) in enumerate(zip(params_off, params_on)):
+        assert torch.equal(a, b), f"param {index} differs"
+
+
+def test_a_deferred_step_reads_every_group_value_as_it_was_at_step():
+    """Tensor values and containers alike: NAdam's tensor lr and a list value
+    changed in place after step() reach no batch of that step."""
+    device = torch.device("cpu")
+
+    def run(overlap, tamper):
+        model = build(device)
+        extra = dict(model=model, overlap_forward=True) if overlap else {}
+        inner = torch.optim.NAdam(model.parameters(), lr=torch.tensor(3e-3), betas=[0.9, 0.99])
+        optimizer = so.SwapOptimizer(inner, swap_times=6, num_arenas=3, min_numel=0, **extra)
+        if overlap:
+            optimizer._set_test_hooks(copy_delay_us=2000, compute_delay_us=2000, seed=7)
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            loss_of(model, tokens_for(step, device)).backward()
+            optimizer.step()
+            if tamper:  # as a scheduler would, after step() returned; undone before the next step()
+                group = optimizer.param_groups[0]
+                lr = group["lr"].clone()
+                group["lr"].fill_(1.0)
+                group["betas"][0] = 0.0
+                optimizer.wait() if overlap else None
+                group["lr"].copy_(lr)
+                group["betas"][0] = 0.9
+        optimizer.wait()
+        return params_of(model)
+
+    expected = run(False, tamper=False)
+    got = run(True, tamper=True)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_scaler_tensors_are_the_step_s_own_on_the_torch_update_path(device):
+    """unscale_in_step hands torch's fused SGD GradScaler's grad_scale and
+    found_inf; the deferred step keeps copies, so a scaler that rewrote its
+    tensors in place right after step() changes nothing."""
+    device = torch.device(device)
+
+    def run(overlap):
+        model = build(device)
+        extra = dict(model=model, overlap_forward=True) if overlap else {}
+        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+        optimizer = so.SwapOptimizer(inner, swap_times=6, num_arenas=3, min_numel=0, unscale_in_step=True, **extra)
+        if overlap:
+            optimizer._set_test_hooks(copy_delay_us=2000, compute_delay_us=2000, seed=7)
+        scale = torch.full((), 2.0 ** 10, device=device)
+        found_inf = torch.zeros((), device=device)
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            (loss_of(model, tokens_for(step, device)) * scale).backward()
+            optimizer.grad_scale, optimizer.found_inf = scale, found_inf
+            optimizer.step()
+            del optimizer.grad_scale, optimizer.found_inf
+            scale.mul_(2.0)           # in place, as a scaler could: the pending step keeps its own copy
+            found_inf.fill_(1.0)
+            optimizer.wait() if overlap else None
+            found_inf.fill_(0.0)
+        optimizer.wait()
+        return params_of(model)
+
+    expected, got = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+COLLECTED_ON_THE_UPDATE_THREAD = r"""
+import gc, sys, threading
+import torch
+sys.path.insert(0, sys.argv[1])
+import swap_optimizer as so
+from swap_optimizer import overlap, rule_optimizer
+from test_overlap import build, loss_of, tokens_for
+
+cpu = torch.device("cpu")
+
+def train(overlapped, steps):
+    model = build(cpu)
+    extra = dict(model=model, overlap_forward=True) if overlapped else {}
+    optimizer = so.SwapOptimizer(torch.optim.NAdam(model.parameters(), lr=3e-3), swap_times=6, num_arenas=3,
+                                 min_numel=0, **extra)
+    optimizer.cycle = optimizer  # only the garbage collector frees it
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss_of(model, tokens_for(step, cpu)).backward()
+        optimizer.step()
+    return model, optimizer
+
+model, plain = train(False, 5)
+plain.wait()
+expected = [p.detach().clone() for p in model.parameters()]
+gc.disable()  # collections only where the test runs them
+dropped, collected, collected_event = threading.Event(), [], threading.Event()
+update = rule_optimizer._BatchRule.__call__
+
+def collect_once_on_the_update_thread(self, *args):
+    if threading.current_thread() is not threading.main_thread() and not collected:
+        assert dropped.wait(timeout=60), "the main thread did not drop the optimizer"
+        collected.append(gc.collect())  # the optimizer and its finalizer go here, on the update thread
+        collected_event.set()
+    return update(self, *args)
+
+model, optimizer = train(True, 4)
+optimizer.wait()  # the next step is the one whose update collects its optimizer
+optimizer._set_test_hooks(compute_delay_us=30000, seed=1)  # its batches end long after the collection
+rule_optimizer._BatchRule.__call__ = collect_once_on_the_update_thread
+optimizer.zero_grad()
+loss_of(model, tokens_for(4, cpu)).backward()
+optimizer.step()  # deferred: its first batch waits until the optimizer is dropped, then collects it
+assert optimizer._overlap._last_step_deferred
+del optimizer
+dropped.set()
+assert collected_event.wait(timeout=60), "nothing was collected on the update thread"
+loss_of(model, tokens_for(5, cpu))  # the optimizer is gone, the step still running: its calls wait
+assert collected and collected[0] > 0, "nothing was collected on the update thread"
+got = [p.detach().clone() for p in model.parameters()]
+assert all(torch.equal(a, b) for a, b in zip(expected, got)), "params differ"
+assert not overlap._Watch.overlaps, "the orphaned pass did not unregister"
+print("ok")
+"""
+
+
+def test_an_optimizer_collected_on_its_update_thread_still_lands_its_step():
+    """A garbage collection inside a deferred step's update (host backend: the
+    update thread runs torch's update in Python) may collect that optimizer:
+    nothing waits for itself there (that would hang), the pass goes on
+    orphaned, and the next forward still waits for the step."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    result = subprocess.run([sys.executable, "-c", COLLECTED_ON_THE_UPDATE_THREAD, tests], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
