@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import inspect
 import logging
 import warnings
 import weakref
+from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
 import torch
@@ -45,9 +47,24 @@ def _trusted(args: tuple, kwargs: dict) -> bool:
     return bool(kwargs.get("trust_per_param_step", getattr(config, "trust_per_param_step", False)))
 
 
+def _holds_params(value: Any) -> bool:
+    """Whether `value` is what a torch.optim optimizer takes: a tensor, or an
+    iterable of tensors or of param group dicts (model.parameters())."""
+    if isinstance(value, (torch.Tensor, dict)):
+        return True
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return False
+    first = next(iter(value), None)  # (a generator is spent by this; the caller raises)
+    return isinstance(first, (torch.Tensor, dict))
+
+
 def _check_optimizer(optimizer: Any) -> None:
     if isinstance(optimizer, SwapOptimizer):
         raise TypeError("this optimizer is already a SwapOptimizer; wrap the torch.optim optimizer itself")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        what = "params (or param groups)" if _holds_params(optimizer) else f"a {type(optimizer).__name__}"
+        raise TypeError(f"SwapOptimizer wraps a torch.optim optimizer, and got {what}: make the optimizer first, "
+                        "then wrap it, as in SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))")
     refused = next((reason for cls, reason in REFUSED.items() if isinstance(optimizer, cls)), None)
     if refused is not None:
         raise TypeError(f"SwapOptimizer cannot wrap {type(optimizer).__name__}: {refused}")
@@ -58,6 +75,45 @@ def _check_optimizer(optimizer: Any) -> None:
                         "For an optimizer of your own or from a package, SwapOptimizer cannot prove from outside "
                         "that its step treats each param on its own (a global norm, Prodigy's d): if it does, "
                         "pass trust_per_param_step=True (see 'Optimizers of your own' in docs/usage.md)")
+
+
+def _check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
+    """Refuses an optimizer that a live SwapOptimizer already wraps: two
+    wrappers would keep two stores of one state and update the params twice."""
+    ref = optimizer.__dict__.get("_swap_optimizer")
+    if ref is not None and ref() is not None:
+        gc.collect()  # a wrapper the program let go of may be waiting in a reference cycle
+    if ref is not None and ref() is not None:
+        raise RuntimeError(f"SwapOptimizer: this {type(optimizer).__name__} is already wrapped by a SwapOptimizer "
+                           "that is still alive; a second wrapper would keep a second store of its state and step "
+                           "the params twice. Use the first SwapOptimizer, or drop it (del it, and every reference "
+                           "to it) before wrapping the optimizer again")
+
+
+def _claim(optimizer: torch.optim.Optimizer, wrapper: "SwapOptimizer") -> None:
+    """Marks `optimizer` as wrapped by `wrapper` while it lives: a second
+    wrapper is refused, and so is a step() of the wrapped optimizer itself,
+    which would run torch's update on the host store (SwapOptimizer's own
+    update calls the class's step without its hooks). Weak references only:
+    the wrapped optimizer must not keep the wrapper alive."""
+    itself, wrapped = weakref.ref(wrapper), weakref.ref(optimizer)
+    optimizer.__dict__["_swap_optimizer"] = itself
+    name = type(optimizer).__name__
+
+    def refuse_step(inner, args, kwargs):
+        # (Not for the stand-ins SwapOptimizer's update steps: they share the
+        # wrapped optimizer's hooks, and a subclass's super().step() runs them.)
+        if inner is wrapped() and itself() is not None:
+            raise RuntimeError(f"SwapOptimizer: step() was called on the {name} that a SwapOptimizer wraps; its "
+                               "state lives in the SwapOptimizer's host store, which runs the update. Call step() on "
+                               "the SwapOptimizer (what SwapOptimizer(...) returned), and hand that to schedulers, "
+                               "GradScaler and frameworks")
+
+    weakref.finalize(wrapper, optimizer.register_step_pre_hook(refuse_step).remove)
+    # Frameworks that hold the inner optimizer save and load through it: its
+    # state dicts are the wrapper's (the store, waited for and validated).
+    optimizer.state_dict = lambda: itself().state_dict()
+    optimizer.load_state_dict = lambda state_dict: itself().load_state_dict(state_dict)
 
 
 def _check_group_flags(group: dict, index: int) -> None:
@@ -241,6 +297,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.__dict__["_itself_ref"] = weakref.ref(self)
         self.config = SwapOptimizerConfig.from_fields(config, fields)
         _check_optimizer(optimizer)
+        _check_not_wrapped(optimizer)
         self.config.check_adam_state_keys()
         for index, group in enumerate(optimizer.param_groups):
             _check_group_flags(group, index)
@@ -271,12 +328,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         existing = {p: dict(s) for p, s in optimizer.state.items() if s}
         self._build_runtime(existing, "the wrapped optimizer's state")
-        # Frameworks that hold the inner optimizer save and load through it: its
-        # state dicts are ours (the store, waited for and validated).
-        # (Through a weak reference: the inner optimizer must not keep this one alive.)
-        itself = weakref.ref(self)
-        optimizer.state_dict = lambda: itself().state_dict()
-        optimizer.load_state_dict = lambda state_dict: itself().load_state_dict(state_dict)
+        _claim(optimizer, self)
 
     # ----------------------------------------------------------------- state
     @property

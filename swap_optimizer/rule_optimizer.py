@@ -17,8 +17,8 @@ from . import _C
 from .budget import Planning, budget_stats, copy_bytes
 from .config import SwapOptimizerConfig
 from .distributed import _is_dtensor, _like_param, _local, _local_part
-from .optimizer import (SwapOptimizer, _auto_budget, _check_distinct, _check_optimizer, _check_overlap_params,
-                        _check_params, _forward_overlap)
+from .optimizer import (SwapOptimizer, _auto_budget, _check_distinct, _check_not_wrapped, _check_optimizer,
+                        _check_overlap_params, _check_params, _claim, _forward_overlap)
 from .overlap import capturing, signals_after_the_step
 from .rules import (ELEMENT, REFUSED, SCALAR, WHOLE, Declaration, declaration_for, estimated_temporaries,
                     foreign_state_keys, run_torch_update, trusted_declaration)
@@ -300,6 +300,7 @@ class RuleSwapOptimizer(SwapOptimizer):
                 _check_optimizer(optimizer)  # raises, saying why (and which setting vouches for an optimizer)
             declaration = trusted_declaration(optimizer, self.config.trust_elementwise_step)
         _refuse_settings(self.config, name)
+        _check_not_wrapped(optimizer)
         _check_groups(optimizer, declaration)
         all_params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device = _check_params(all_params, None)
@@ -331,9 +332,7 @@ class RuleSwapOptimizer(SwapOptimizer):
             for p, entry in existing.items():
                 _learn_layout(index_of[id(p)], p, entry, name, check_device=True)
         self._lay_out(existing)
-        itself = weakref.ref(self)
-        optimizer.state_dict = lambda: itself().state_dict()
-        optimizer.load_state_dict = lambda state_dict: itself().load_state_dict(state_dict)
+        _claim(optimizer, self)
 
     # ---------------------------------------------------------------- layout
     @property

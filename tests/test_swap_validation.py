@@ -1,10 +1,13 @@
 """Every misuse gets a clear error naming the fix, and changes nothing."""
 
+import gc
+
 import pytest
 import torch
 
 import swap_optimizer as so
 from swap_training import build_model, loss_of, params_of, state_tensors, swap_optimizer, train
+from test_trusted_optimizers import Lion
 
 
 def params(n=2048, count=2):
@@ -157,3 +160,69 @@ def test_closure_runs_once_before_the_update_as_in_torch():
     assert torch.equal(results[0][0], results[1][0])
     for p, q in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("given", [
+    lambda model: model.parameters(),
+    lambda model: list(model.parameters()),
+    lambda model: [{"params": list(model.parameters()), "lr": 1e-3}],
+    lambda model: model.weight,
+], ids=["generator", "list", "groups", "tensor"])
+def test_params_instead_of_an_optimizer_name_the_fix(given):
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(TypeError, match="SwapOptimizer wraps a torch.optim optimizer, and got params") as raised:
+        so.SwapOptimizer(given(model))
+    message = str(raised.value)
+    assert message.startswith("SwapOptimizer wraps") and "SwapOptimizer(torch.optim.AdamW(model.parameters()" in message
+    assert "trust_per_param_step" not in message  # that setting vouches for an optimizer, not for params
+
+
+def test_something_else_instead_of_an_optimizer_names_what_it_got():
+    with pytest.raises(TypeError, match="wraps a torch.optim optimizer, and got a str"):
+        so.SwapOptimizer("adamw")
+
+
+OPTIMIZER_KINDS = {
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "vouched-for": lambda ps: Lion(ps),
+}
+
+
+def wrap(kind, inner):
+    return so.SwapOptimizer(inner, swap_times=2, trust_per_param_step=kind == "vouched-for")
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZER_KINDS))
+def test_wrapping_one_optimizer_twice_is_refused_while_the_first_lives(kind):
+    ps = params()
+    inner = OPTIMIZER_KINDS[kind](ps)
+    first = wrap(kind, inner)
+    with pytest.raises(RuntimeError, match="already wrapped by a SwapOptimizer that is still alive"):
+        wrap(kind, inner)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    first.step()  # the refusal changed nothing
+    del first
+    gc.collect()
+    second = wrap(kind, inner)  # the first is gone: the optimizer may be wrapped again
+    second.step()
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZER_KINDS))
+def test_stepping_the_wrapped_optimizer_itself_is_refused(kind):
+    ps = params()
+    inner = OPTIMIZER_KINDS[kind](ps)
+    swapped = wrap(kind, inner)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(RuntimeError, match="step\\(\\) was called on the .* that a SwapOptimizer wraps; .* Call step\\(\\) "
+                                           "on the SwapOptimizer"):
+        inner.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, ps))  # nothing ran
+    swapped.step()  # its own update calls the wrapped class's step past the guard
+    assert not all(torch.equal(a, p) for a, p in zip(before, ps))
+    del swapped
+    gc.collect()
+    inner.step()  # unwrapped again: the optimizer is the user's
