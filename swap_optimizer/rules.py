@@ -60,6 +60,9 @@ class Declaration:
     # staged states for one call: (rows: (shape, element bytes) of the params
     # or pieces, the call's group, whether it runs foreach) -> bytes.
     temporaries: Optional[Callable[[list, dict, bool], int]] = None
+    # What foreach=None runs: torch's default picks foreach on CUDA for most
+    # optimizers (_default_to_fused_or_foreach); Adafactor keeps its for-loop.
+    foreach_by_default_on_cuda: bool = True
 
     def matches(self, optimizer: torch.optim.Optimizer) -> bool:
         # The class itself, not a subclass: a subclass may change the step.
@@ -87,9 +90,13 @@ def _muon_temporaries(rows, group, foreach):
 
 
 def _adafactor_temporaries(rows, group, foreach):
-    """The for-loop: the squared grad, the update and its norm's operand, about
-    three of one param at a time."""
-    return 3 * max((math.prod(shape) * element for shape, element in rows), default=0)
+    """About three param-sized tensors per param: the negated grad (maximize),
+    the variance estimate (row_var @ col_var, or the squared grad of a vector)
+    and the update. The for-loop (torch's default for Adafactor, on CUDA too)
+    makes them one param at a time; foreach=True makes each as a list over
+    every param of the call, so they are counted for all of them."""
+    sizes = [math.prod(shape) * element for shape, element in rows]
+    return 3 * (sum(sizes) if foreach else max(sizes, default=0))
 
 
 def estimated_temporaries(declaration: "Declaration", rows: list, group: dict, device: torch.device,
@@ -99,8 +106,8 @@ def estimated_temporaries(declaration: "Declaration", rows: list, group: dict, d
     param's first step torch makes its states on the device, and they are
     copied into the arena after the call)."""
     foreach = group.get("foreach")
-    if foreach is None:  # torch's default: foreach on CUDA, the for-loop on the CPU
-        foreach = device.type == "cuda"
+    if foreach is None:  # torch's default: mostly foreach on CUDA, the for-loop on the CPU
+        foreach = device.type == "cuda" and declaration.foreach_by_default_on_cuda
     return (declaration.temporaries or _elementwise_temporaries)(rows, group, bool(foreach)) + new_state_bytes
 
 
@@ -172,7 +179,7 @@ DECLARATIONS: list[Declaration] = [
                 elementwise=True),
     # Adafactor reads param.norm(): never cut, even 1-D.
     Declaration((torch.optim.Adafactor,), _adafactor_states, elementwise=False, validate=_validate_adafactor,
-                temporaries=_adafactor_temporaries),
+                temporaries=_adafactor_temporaries, foreach_by_default_on_cuda=False),
     # Muon's Newton-Schulz iteration needs the whole matrix: never cut.
     Declaration((torch.optim.Muon,), lambda p, g: _elements("momentum_buffer"), elementwise=False,
                 validate=_validate_muon, temporaries=_muon_temporaries),

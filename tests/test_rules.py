@@ -257,6 +257,26 @@ def test_memory_stats_estimate_torchs_temporaries():
     assert muon == 6 * 256 * 700 + 4 * 256 ** 2 + 256 * 700 * 4 + 256 * 700 * 4
 
 
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adafactor_temporaries_count_every_param_of_a_foreach_call(foreach):
+    """Adafactor's foreach path makes its param-sized temporaries as lists over
+    the call (the variance estimates, row_var @ col_var): three per param of
+    the largest call; its for-loop three of the largest param. Each plus the
+    states a first step makes (2-D: a row and a column variance; 1-D: a
+    variance per element)."""
+    params = make_params("Adafactor")
+    swapped = so.SwapOptimizer(torch.optim.Adafactor(params, lr=0.01, foreach=foreach), swap_times=1, min_numel=0)
+    new_states = {id(p): 4 * (p.shape[0] + p.shape[1] if p.dim() == 2 else p.numel()) for p in params}
+    expected = 0
+    for batch in swapped._batch_plan():
+        sizes = [params[index].numel() * 4 for index, _, _ in batch["pieces"]]
+        if sizes:
+            made = 3 * (sum(sizes) if foreach else max(sizes))
+            expected = max(expected, made + sum(new_states[id(params[index])] for index, _, _ in batch["pieces"]))
+    assert swapped.memory_stats()["update_temporary_bytes"] == expected
+    assert len(swapped._batch_plan()) < len(params), "a call must hold several params for foreach to count"
+
+
 @pytest.mark.parametrize("name, largest", [("SGD", 0), ("Muon", 256 * 700 * 4), ("Adafactor", 70000 * 4)])
 def test_memory_stats_name_the_largest_param_that_moves_whole(name, largest):
     """Muon's and Adafactor's params are never cut: memory_stats says how much
@@ -273,7 +293,9 @@ def test_memory_stats_name_the_largest_param_that_moves_whole(name, largest):
 
 @requires_cuda
 @pytest.mark.parametrize("name,kwargs", [("SGD", dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
-                                         ("NAdam", dict(weight_decay=0.01)), ("Adafactor", dict()), ("Muon", dict())])
+                                         ("NAdam", dict(weight_decay=0.01)), ("Adafactor", dict()),
+                                         ("Adafactor", dict(foreach=True)), ("Adafactor", dict(foreach=False)),
+                                         ("Muon", dict())])
 def test_device_peak_stays_within_staging_and_the_temporaries_estimate_on_cuda(name, kwargs):
     """Measured: the step's device peak above params and grads is at most the
     staging bytes plus update_temporary_bytes (plus 1 MiB for small
@@ -700,3 +722,19 @@ def test_a_group_no_longer_fused_refuses_the_scale_in_step():
     with pytest.raises(ValueError, match="param group\\(s\\) \\[0\\] of SGD are not fused=True \\(any more\\)"):
         scaler.step(swapped)
     assert all(same_bits(p, q) for p, q in zip(params, before))
+
+
+def test_foreach_left_to_torch_is_counted_as_torch_chooses_it_on_cuda():
+    """foreach=None: torch runs most optimizers' foreach path on CUDA (three
+    lists of the call's bytes), but Adafactor's for-loop (three of the largest
+    param), on CUDA too; on the CPU every for-loop."""
+    from swap_optimizer.rules import declaration_for, estimated_temporaries
+
+    rows = [((100, 10), 4), ((50,), 4)]  # 4000 and 200 bytes
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    sgd = declaration_for(torch.optim.SGD(make_params("SGD"), lr=0.1, momentum=0.9))
+    adafactor = declaration_for(torch.optim.Adafactor(make_params("Adafactor")))
+    assert estimated_temporaries(sgd, rows, dict(foreach=None), cuda, 0) == 3 * 4200
+    assert estimated_temporaries(sgd, rows, dict(foreach=None), cpu, 0) == 3 * 4000
+    assert estimated_temporaries(adafactor, rows, dict(foreach=None), cuda, 0) == 3 * 4000
+    assert estimated_temporaries(adafactor, rows, dict(foreach=True), cuda, 0) == 3 * 4200
