@@ -316,6 +316,10 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._learned: dict = {}
         self._probed: set = set()  # (group, dimensionality) whose contract was probed
         self._stateless: set = set()  # ids of params whose first update kept no state
+        # A vouched-for optimizer's params with state that no update of ours made
+        # (made in its __init__, loaded, or eager in add_param_group): their next
+        # update runs whole, from that state, to learn all they keep.
+        self._not_updated: set = set()
         self.__dict__["_unscale_in_step"] = _unscales_in_step(optimizer, declaration, self.config.unscale_in_step)
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
@@ -331,6 +335,7 @@ class RuleSwapOptimizer(SwapOptimizer):
             index_of = {id(p): i for i, p in enumerate(all_params)}
             for p, entry in existing.items():
                 _learn_layout(index_of[id(p)], p, entry, name, check_device=True)
+            self._not_updated = {id(p) for p in existing}
         self._lay_out(existing)
         _claim(optimizer, self)
 
@@ -617,8 +622,8 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._groups_after: dict[int, dict] = {}
         # A vouched-for optimizer's params without state yet are updated whole,
         # one at a time, to learn what they keep; the others go through the store.
-        first = [i for i, grad in enumerate(grads) if grad is not None and self._learning and not self._shown[i]
-                 and id(params[i]) not in self._stateless]
+        first = [i for i, grad in enumerate(grads) if grad is not None and self._learning
+                 and (not self._shown[i] or id(params[i]) in self._not_updated) and id(params[i]) not in self._stateless]
         # overlap_forward: the step may run beside the next forward once the
         # probe has made a plan, unless a param steps for the first time (its
         # states and scalars appear during the step) or the optimizer is a
@@ -674,13 +679,15 @@ class RuleSwapOptimizer(SwapOptimizer):
         values back before the error: nothing changed."""
         name = type(self.optimizer).__name__
         backups, entries, stateless = [], {}, []
+        had_state = any(self._shown[i] for i in first)
         try:
             for i in first:
                 param = params[i]
+                start_state = self._start_state(i, param)  # before the param changes
                 backups.append((param, param.detach().to("cpu", copy=True)))
                 piece = param.detach()
                 piece.grad = grads[i].clone()  # the call may change it in place; a refusal must not
-                state = {piece: {}}
+                state = {piece: start_state}
                 call_group, start = self._call_group(self._group_of[i], [piece])
                 run_torch_update(self.optimizer, [call_group], state, strict=True)
                 self._note_groups_after(self._group_of[i], call_group, start)
@@ -688,16 +695,26 @@ class RuleSwapOptimizer(SwapOptimizer):
                 _learn_layout(i, param, entry, name, check_device=True)  # refuses what cannot be streamed
                 if not entry:
                     stateless.append(id(param))
-                    continue
                 entries[param] = {key: value.to("cpu", copy=True) if torch.is_tensor(value) and value.dim() > 0
                                   else value for key, value in entry.items()}
-            if entries:
+            if had_state or any(entries.values()):
                 self._lay_out({**self._kept_state(), **entries})
         except BaseException:
             for param, backup in backups:
                 param.detach().copy_(backup)
             raise
         self._stateless.update(stateless)
+        self._not_updated -= {id(params[i]) for i in first}
+
+    def _start_state(self, index: int, param: torch.Tensor) -> dict:
+        """Copies, on the param's device, of the state param `index` has now
+        (none before its first update, unless the optimizer made some in its
+        __init__ or it was loaded): what a whole update of it starts from."""
+        if not self._shown[index]:
+            return {}
+        self._synchronize()  # the host store holds the last step's copies
+        return {key: (value.to(param.device, copy=True) if value.dim() > 0 else value.clone())
+                if torch.is_tensor(value) else copy.deepcopy(value) for key, value in self._entry(index).items()}
 
     def _probe_contract(self, params: list[torch.Tensor], grads: list, candidates: list[int]) -> None:
         """What can be checked of the user's word before a trusted optimizer's
@@ -722,15 +739,16 @@ class RuleSwapOptimizer(SwapOptimizer):
         with torch.random.fork_rng(devices=devices):
             for key, i in smallest.items():
                 value, grad = params[i].detach(), grads[i]
+                start = self._start_state(i, params[i])
                 # A second grad that is no multiple of the first.
                 grads_by_step = [grad, grad.reshape(-1).roll(1).reshape(grad.shape) * 2]
-                alone, = self._probe_updates(key[0], [value], [[g] for g in grads_by_step])
+                alone, = self._probe_updates(key[0], [value], [[g] for g in grads_by_step], [start])
                 layout = _learn_layout(i, params[i], alone[1], name, check_device=True)  # refuses the unstreamable
                 # The companion comes first: an update that depends on what came
                 # before it in the call (a running norm, a value carried from one
                 # param to the next) shows too.
                 _, beside = self._probe_updates(key[0], [value * 3 + 1, value],
-                                                [[g * 1000 + 1, g] for g in grads_by_step])
+                                                [[g * 1000 + 1, g] for g in grads_by_step], [start, start])
                 if not (torch.equal(alone[0], beside[0]) and _same_state(alone[1], beside[1])):
                     raise RuntimeError(
                         f"SwapOptimizer: {name}'s update of param {i} changes when another param is in the same call: "
@@ -741,18 +759,29 @@ class RuleSwapOptimizer(SwapOptimizer):
                         "max_grad_norm of the optimizer's own)")
                 if self.declaration.elementwise and value.numel() >= 2 and value.is_contiguous() \
                         and all(s.kind == ELEMENT for s in layout if s.kind != SCALAR):
-                    self._probe_cut(key[0], i, value, grads_by_step, alone)
+                    self._probe_cut(key[0], i, value, grads_by_step, alone, start)
                 self._probed.add(key)
 
-    def _probe_cut(self, g: int, index: int, value: torch.Tensor, grads_by_step: list, alone: tuple) -> None:
+    def _probe_cut(self, g: int, index: int, value: torch.Tensor, grads_by_step: list, alone: tuple,
+                   start: dict) -> None:
         """trust_elementwise_step's check: the updates of `value` cut in two
-        halves, as two params of one call, are its updates whole (`alone`)."""
+        halves, as two params of one call, are its updates whole (`alone`),
+        each half starting from its half of the param's state `start`."""
         half = value.numel() // 2
         flat = value.reshape(-1)
+
+        def halves_of(state: dict) -> list[dict]:
+            cut = [{}, {}]
+            for key, item in state.items():
+                whole = torch.is_tensor(item) and item.shape == value.shape and item.dim() > 0
+                cut[0][key] = item.reshape(-1)[:half] if whole else item
+                cut[1][key] = item.reshape(-1)[half:] if whole else item
+            return cut
+
         try:
             (first_value, first_state), (second_value, second_state) = self._probe_updates(
                 g, [flat[:half], flat[half:]], [[grad.reshape(-1)[:half], grad.reshape(-1)[half:]]
-                                                for grad in grads_by_step])
+                                                for grad in grads_by_step], halves_of(start))
             arrays = [k for k, v in second_state.items() if torch.is_tensor(v) and v.dim() > 0]
             joined = dict(second_state, **{k: torch.cat([first_state[k].reshape(-1), second_state[k].reshape(-1)])
                                           for k in arrays})
@@ -771,12 +800,15 @@ class RuleSwapOptimizer(SwapOptimizer):
                 "trust ratio, or a matrix operation, as Muon's). Drop trust_elementwise_step; its params then move "
                 "whole")
 
-    def _probe_updates(self, g: int, values: list[torch.Tensor], grads_by_step: list[list[torch.Tensor]]) -> list:
+    def _probe_updates(self, g: int, values: list[torch.Tensor], grads_by_step: list[list[torch.Tensor]],
+                       starts: list[dict]) -> list:
         """The trusted optimizer's updates of copies of `values`, params of one
-        call with group `g`'s settings and no state yet, one update per entry
-        of grads_by_step (their grads): each copy after them, and its state."""
+        call with group `g`'s settings, each starting from a copy of its state
+        in `starts` (empty before a first update), one update per entry of
+        grads_by_step (their grads): each copy after them, and its state."""
         pieces = [value.clone() for value in values]
-        state = {piece: {} for piece in pieces}
+        state = {piece: {key: item.clone() if torch.is_tensor(item) else copy.deepcopy(item)
+                         for key, item in start.items()} for piece, start in zip(pieces, starts)}
         group, _ = self._call_group(g, pieces)  # what one update writes, the next reads
         for number, step_grads in enumerate(grads_by_step):
             for piece, grad in zip(pieces, step_grads):
@@ -874,6 +906,7 @@ class RuleSwapOptimizer(SwapOptimizer):
             _check_groups(inner, self.declaration)
             self._lay_out(loaded)  # a new store (no torn params), or an error before anything is replaced
             self._probed.clear()  # new settings: a vouched-for optimizer's contract is checked again
+            self._not_updated = {id(p) for p in loaded} if self._learning else set()
         except BaseException:
             inner.state, inner.param_groups = saved_state, saved_groups
             raise
@@ -894,6 +927,8 @@ class RuleSwapOptimizer(SwapOptimizer):
             _check_distinct(self._params())
             _check_dtensor_params(self._params(), self.declaration, type(self.optimizer).__name__)
             self._lay_out(previous)
+            if self._learning:
+                self._not_updated |= {id(p) for p in added if state.get(p)}
         except BaseException:
             self.param_groups.pop()
             for p in added:

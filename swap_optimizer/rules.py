@@ -256,7 +256,17 @@ def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state
     stand_in = object.__new__(type(optimizer))
     stand_in.__dict__.update(optimizer.__dict__, param_groups=groups, state=state, **(grad_scale or {}))
     before = {key: _fingerprint(value) for key, value in optimizer.__dict__.items()} if strict else None
-    _torch_step(optimizer)(stand_in)
+    try:
+        _torch_step(optimizer)(stand_in)
+    except Exception as error:
+        if not strict:  # torch's own optimizers: their errors are theirs to word
+            raise
+        raise RuntimeError(
+            f"SwapOptimizer: {type(optimizer).__name__}'s own step raised {type(error).__name__}: {error}, where "
+            "SwapOptimizer ran it on a part of the params (one param, or one batch) with the states it has kept for "
+            "them. An optimizer whose step needs more than its params' own states and its param groups (a value "
+            "set outside step(), a state under another key, the other params) cannot be wrapped, whatever "
+            "trust_per_param_step says: keep its state on the device") from error
     if strict:
         changed = sorted(key for key, value in optimizer.__dict__.items()
                          if key not in ("param_groups", "state") and _fingerprint(value) != before[key])

@@ -587,3 +587,66 @@ def test_a_device_budget_keeps_part_of_a_vouched_for_optimizers_state_resident(d
     stats = swapped.memory_stats()
     assert 0 < stats["resident_share"] < 1 and stats["plan"]["device_bytes"]["total"] <= budget
     assert stats["resident_state_bytes"] + stats["peak_staging_bytes"] + stats["update_temporary_bytes"] <= budget
+
+
+class MaskedLion(Lion):
+    """Lion that makes a state in its __init__ (a mask of the weights it
+    updates, as pytorch_optimizer's SaRA does) and reads it in every step."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["mask"] = (p.detach().abs() < 1.0).to(p.dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                grad = p.grad * state["mask"]  # KeyError without the state made in __init__
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                update = state["exp_avg"].mul(beta1).add_(grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-group["lr"])
+                state["exp_avg"].mul_(beta2).add_(grad, alpha=1 - beta2)
+
+
+@pytest.mark.parametrize("elementwise", [False, True])
+def test_a_state_made_in_init_is_kept_and_stays_bitwise(elementwise):
+    """The first update of each param runs whole, from the state it already
+    has (the probe's copies too): the mask is kept beside the moment."""
+    plain, swapped = run_pair(lambda ps: MaskedLion(ps), swap_times=4, trust_elementwise_step=elementwise)
+    assert all(set(entry) == {"mask", "exp_avg"} for entry in swapped.state.values())
+    assert swapped.memory_stats()["swapped_state_keys"] == ["mask", "exp_avg"]
+
+
+class NeedsOutsideValue(Lion):
+    """A step that reads a value its states do not hold (set outside step())."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(self.state[p]["outside"])
+        super().step(closure)
+
+
+def test_an_error_inside_a_vouched_for_step_is_a_refusal_that_changes_nothing():
+    params = make_params()
+    optimizer = NeedsOutsideValue(params)
+    swapped = so.SwapOptimizer(optimizer, min_numel=0, swap_times=2, trust_per_param_step=True)
+    give_grads(0, params)
+    before = [p.detach().clone() for p in params]
+    grads = [p.grad.clone() for p in params]
+    with pytest.raises(RuntimeError, match=r"NeedsOutsideValue's own step raised KeyError: 'outside', where "
+                                           r"SwapOptimizer ran it .* keep its state on the device") as raised:
+        swapped.step()
+    assert isinstance(raised.value.__cause__, KeyError)
+    assert all(torch.equal(a, p) for a, p in zip(before, params))
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, params))
+    assert not any(swapped.state.values())
