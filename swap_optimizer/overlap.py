@@ -77,13 +77,14 @@ def _needs_data(func) -> bool:
     return name not in _METADATA_METHODS
 
 
-def _tensors_in(args, kwargs) -> Iterator[torch.Tensor]:
+def _tensors_in(args, kwargs, lists: bool = True) -> Iterator[torch.Tensor]:
     """The tensors among an op's arguments, also inside lists and tuples
-    (foreach ops, torch.cat, RNNs' flat weights)."""
+    (foreach ops, torch.cat, RNNs' flat weights). lists=False: tests only,
+    the rule "lists" knocked out."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             yield value
-        elif isinstance(value, (list, tuple)):
+        elif lists and isinstance(value, (list, tuple)):
             for item in value:
                 if isinstance(item, torch.Tensor):
                     yield item
@@ -202,49 +203,52 @@ class _ReadWatch(TorchFunctionMode):
             self._running.depth -= 1
 
 
-def _is_plain_sequential(module: nn.Module) -> bool:
+def _is_plain_sequential(module: nn.Module, expand: bool = True) -> bool:
     """nn.Sequential or a subclass that keeps its forward: it calls its
-    children in order, and a forward may iterate it without calling it."""
-    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+    children in order, and a forward may iterate it without calling it.
+    expand=False: tests only, the rule "sequential" knocked out."""
+    return expand and isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
 
 
-def _is_container(module: nn.Module) -> bool:
+def _is_container(module: nn.Module, expand: bool = True) -> bool:
     """A module whose children are the blocks: ModuleList, ModuleDict, a plain
     nn.Sequential, or a holder whose forward is Module's own (never called)."""
-    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) or _is_plain_sequential(module) or \
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) or _is_plain_sequential(module, expand) or \
         type(module).forward is nn.Module.forward
 
 
-def _called_blocks(module: nn.Module) -> list[nn.Module]:
+def _called_blocks(module: nn.Module, expand: bool = True) -> list[nn.Module]:
     """module, or, when it is a container, the blocks below it."""
-    if not _is_container(module):
+    if not _is_container(module, expand):
         return [module]
-    return [block for child in module.children() for block in _called_blocks(child)]
+    return [block for child in module.children() for block in _called_blocks(child, expand)]
 
 
-def find_blocks(model: nn.Module) -> list[nn.Module]:
+def find_blocks(model: nn.Module, expand_sequential: bool = True) -> list[nn.Module]:
     """The children of the model's outermost ModuleLists and plain
     nn.Sequentials, in order (containers among them give their blocks); else
     the model's top-level children. A block's call waits for its whole
-    subtree's params (MultiheadAttention reads out_proj.weight itself)."""
+    subtree's params (MultiheadAttention reads out_proj.weight itself).
+    expand_sequential=False: tests only, the rule "sequential" knocked out."""
+    expand = expand_sequential
     root = model
     while isinstance(root, nn.parallel.DistributedDataParallel):  # a wrapper of one module
         root = root.module
     blocks: list[nn.Module] = []
-    if isinstance(root, nn.ModuleList) or _is_plain_sequential(root):
-        blocks = _called_blocks(root)
+    if isinstance(root, nn.ModuleList) or _is_plain_sequential(root, expand):
+        blocks = _called_blocks(root, expand)
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
-            if isinstance(child, nn.ModuleList) or _is_plain_sequential(child):
-                blocks.extend(block for item in child.children() for block in _called_blocks(item))
+            if isinstance(child, nn.ModuleList) or _is_plain_sequential(child, expand):
+                blocks.extend(block for item in child.children() for block in _called_blocks(item, expand))
             else:
                 visit(child)
 
     if not blocks:
         visit(root)
     if not blocks:
-        blocks = [block for child in root.children() for block in _called_blocks(child)]
+        blocks = [block for child in root.children() for block in _called_blocks(child, expand)]
     seen, unique = set(), []
     for block in blocks:  # a block listed twice is one block
         if id(block) not in seen:
@@ -470,6 +474,19 @@ def _after_call(module, args, output):
 
 _UNRANKED = 1 << 62
 
+# Tests only: the rules ForwardOverlap.knocked_out_rules may switch off, one at
+# a time, each caught by its own test in tests/test_overlap_mutations.py.
+KNOCKABLE_RULES = {
+    "probe_rank_late": "a read the probe saw is placed one call after the call it was read in",
+    "probe_ranks": "the probe's reads are ignored (only the static rules place waits)",
+    "subtree": "a block's call waits for its direct params only, not its whole subtree",
+    "sequential": "the children of a plain nn.Sequential are not blocks",
+    "lists": "tensors inside an op's lists and tuples (foreach ops, torch.cat) are not looked at",
+    "backward": "backward() and autograd.grad() outside the model's calls do not wait for the step",
+    "grads": "the grads the step reads are left out of the watched spans",
+    "unproven": "an overlapped step on CUDA is not marked unproven (a capture after a stream wait is taken)",
+}
+
 
 class ForwardOverlap:
     """The waits of one SwapOptimizer(overlap_forward=True): its probe, plan
@@ -494,6 +511,9 @@ class ForwardOverlap:
         # compiled model's first call).
         self.knocked_out: set[int] = set()
         self.unguarded: set[str] = set()
+        # Tests only (tests/test_overlap_mutations.py): single rules switched
+        # off, each one of KNOCKABLE_RULES.
+        self.knocked_out_rules: set[str] = set()
         self._param_positions: list[int] = []  # per param: the last pipeline position holding it
         # Per param, from the last probe: where the forward first needs it (_first_reads); None before one.
         self.first_reads: Optional[list[int]] = None
@@ -606,8 +626,19 @@ class ForwardOverlap:
             self.owner = threading.get_ident()
             if deferred:
                 self._begin_overlapped(runtime, grads)
+                self._knock_out_pass_rules()
             elif self.plan is None and not self.graphed and not self.root_compiled:
                 self._begin_probe()
+
+    def _knock_out_pass_rules(self) -> None:
+        """Tests only: the rules of an overlapped pass's start switched off
+        (knocked_out_rules), as if _begin_overlapped lacked them."""
+        if "grads" in self.knocked_out_rules and self._spans is not None:
+            self._spans = None  # the watch is on: the ops below, on params, must not wait for them
+            self._spans = _SpanIndex([(p, i) for i, p in enumerate(self.params) if i not in self.knocked_out],
+                                     self.device)
+        if "unproven" in self.knocked_out_rules:
+            self.unproven = False
 
     def _begin_overlapped(self, runtime, grads) -> None:
         plan = self.plan
@@ -642,13 +673,16 @@ class ForwardOverlap:
         count = len(self.params)
         index_of = {id(p): i for i, p in enumerate(self.params)}
         rank = [_UNRANKED] * count
+        rules_off = self.knocked_out_rules
         for i, call in self._probe_first_inside.items():
-            rank[i] = min(rank[i], call)
+            if "probe_ranks" not in rules_off:
+                rank[i] = min(rank[i], call + ("probe_rank_late" in rules_off))
         # Static rules: a call of a module waits for its direct params, a call
         # of a block for its whole subtree (reads that a probe may not see).
-        blocks = {id(b) for b in find_blocks(self.model)}
+        blocks = {id(b) for b in find_blocks(self.model, expand_sequential="sequential" not in rules_off)}
         for call, module in enumerate(calls):
-            subtree = module.parameters() if id(module) in blocks else module.parameters(recurse=False)
+            whole = id(module) in blocks and "subtree" not in rules_off
+            subtree = module.parameters() if whole else module.parameters(recurse=False)
             for p in subtree:
                 i = index_of.get(id(p))
                 if i is not None:
@@ -699,7 +733,7 @@ class ForwardOverlap:
         first_call_of = {}
         for call, module in enumerate(calls):
             first_call_of.setdefault(id(module), call)
-        blocks = find_blocks(self.model)
+        blocks = find_blocks(self.model, expand_sequential="sequential" not in self.knocked_out_rules)
         # A module shared between blocks keeps its own first call: it would tie later blocks to the first.
         owners = Counter(id(m) for block in blocks for m in block.modules())
         for block in blocks:
@@ -917,7 +951,8 @@ class ForwardOverlap:
             spans = self._spans
             if spans is None:
                 return
-            touched = [tag for t in _tensors_in(args, kwargs) for tag in spans.touched(t)]
+            touched = [tag for t in _tensors_in(args, kwargs, lists="lists" not in self.knocked_out_rules)
+                       for tag in spans.touched(t)]
             if self.probing:
                 inside = self._depth > 0
                 for i in touched:
@@ -926,7 +961,7 @@ class ForwardOverlap:
                 return
             if not self.pending or "ops" in self.unguarded:
                 return
-            if getattr(func, "__name__", "") in _BACKWARD_FUNCTIONS:
+            if getattr(func, "__name__", "") in _BACKWARD_FUNCTIONS and "backward" not in self.knocked_out_rules:
                 return self._wait_until(self._last_position)  # backward may write grads the step reads
             if touched:
                 self._wait_until(max(self._positions[i] for i in touched))

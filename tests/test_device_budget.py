@@ -309,6 +309,49 @@ def test_the_cost_model_replays_the_pipeline_by_hand():
         StepCostModel(0, 1, 1, 1, 0, 0)
 
 
+def test_the_cost_model_counts_the_resident_batch():
+    """The resident batch updates first, beside the first copies in: with an
+    update slower than the link, every rotating update comes after it."""
+    slow = StepCostModel(1e6, 5e5, 2e6, update_bytes_per_s=1e5, batch_seconds=0.0, step_seconds=0.0)
+    rotating = [dict(resident=False, host_bytes=1000, arena_bytes=1000) for _ in range(3)]
+    resident = [dict(resident=True, host_bytes=0, arena_bytes=2000)]
+    prediction = slow.predict(dict(plan=resident + rotating), 3)
+    # the resident update (2e-2 s), each rotating update (1e-2 s), the last copy out (2e-3 s)
+    assert prediction["seconds"] == pytest.approx(2e-2 + 3 * 1e-2 + 2e-3)
+    assert prediction["update_seconds"] == pytest.approx(2e-2 + 3 * 1e-2)
+    # everything resident: its update, a batch's fixed cost and the step's
+    alone = StepCostModel(1e6, 5e5, 2e6, update_bytes_per_s=1e5, batch_seconds=1e-3, step_seconds=0.5)
+    assert alone.predict(dict(plan=resident), 2)["seconds"] == pytest.approx(2e-2 + 1e-3 + 0.5)
+
+
+def test_the_one_by_one_tries_never_take_a_plan_over_the_budget():
+    """A param whose state fits the room left but whose plan does not (torch's
+    temporaries for a resident call, which only a plan shows): the greedy fill
+    takes it and gives it back, the one-by-one tries weigh it again and must
+    refuse it, then keep the next param, which fits. A synthetic layout of
+    three params of 4 KiB of state, each its own batch."""
+    from swap_optimizer.budget import choose_plan
+    state, temporaries = 4096, 4096  # keeping param 0 resident adds `temporaries` to the update
+
+    def lay_out(swappable, swap_times, num_arenas):
+        swapped = [i for i, s in enumerate(swappable) if s]
+        resident = len(swappable) - len(swapped)
+        plan = [dict(resident=True, host_bytes=0, arena_bytes=state * resident)] if resident else []
+        plan += [dict(resident=False, host_bytes=state, arena_bytes=state) for _ in swapped]
+        largest = state if swapped else 0
+        return dict(plan=plan, batches=len(swapped), largest_arena_bytes=largest, resident_state_bytes=state * resident,
+                    step_table_bytes=0, update_temporary_bytes=0 if swappable[0] else temporaries,
+                    staging_bytes=min(num_arenas, len(swapped)) * largest, param_state_bytes=[state] * 3,
+                    swapped_state_bytes=state * len(swapped), moved_bytes=state * len(swapped), finest_swap_times=3)
+
+    budget = 2 * state + state + 8 * 256  # two arenas, and room for one more param's state (and its alignment)
+    best, weighed = choose_plan(lay_out, [True] * 3, [0, 1, 2], budget, swap_times=3, num_arenas=2, staging_cap=None,
+                                extra_bytes=0, cost_model=SLOW_LINK)
+    assert [c.device["total"] for c in weighed if c.device["total"] > budget] == []
+    assert best.resident_params == (1,)  # the greedy fill stops at param 0: only the one-by-one tries reach param 1
+    assert best.device["total"] == 3 * state <= budget
+
+
 @requires_cuda
 def test_cuda_max_memory_allocated_stays_within_the_budget():
     base, host = unbudgeted_device_bytes("cuda")
