@@ -3,6 +3,7 @@ pinned host memory for a model, before it is built (no weights, no GPU).
 
     python -m swap_optimizer.plan llama-3.1-8b --device-memory 80
     python -m swap_optimizer.plan --config path/to/config.json --device-memory 24 --state-mode 8bit
+    python -m swap_optimizer.plan llama-3.1-8b      # counts and bytes only: no device fit, no budget's plan
 
 Every SwapOptimizer figure comes from the runtime's own layout (`_C.plan_staging`
 on meta tensors: memory_stats() of a real step equals it), the device budget's
@@ -23,7 +24,8 @@ from typing import Callable, Optional
 import torch
 
 from . import _C
-from .budget import StepCostModel, allocated, choose_plan, device_bytes, fused_op_table_bytes, resident_share
+from .budget import (StepCostModel, allocated, choose_plan, device_bytes, fused_op_table_bytes, resident_share,
+                     smallest_device_bytes)
 from .compact import MIN_QUANTIZED_NUMEL
 from .config import SwapOptimizerConfig
 from .presets import PRESETS, DecoderShape, from_hf_config
@@ -46,6 +48,10 @@ SIXTEEN_BIT_MODES = ("master", "kahan", "kahan+8bit")  # they keep what rounding
 BOTH_WAYS_FACTOR = 1.6
 # A batch's copy set-up and launches, and a step's table and events, on a GPU (as StepCostModel.for_device).
 BATCH_SECONDS, STEP_SECONDS = 20e-6, 100e-6
+# Host RAM the pinned states leave to everything else (the OS and its page
+# cache, data loading, each rank's own process and CUDA context): pinned pages
+# cannot be swapped out, so a plan that pins nearly all RAM is not one that fits.
+HOST_RESERVE_MIN, HOST_RESERVE_SHARE = 2 * GIB, 0.10
 
 LayOut = Callable[[list, int, int], dict]
 
@@ -69,33 +75,56 @@ def activation_bytes(model: DecoderShape, batch: int, seq: int, itemsize: int, a
     return model.num_layers * per_layer * itemsize // 2 + 2 * b * s * model.vocab_size * 4
 
 
+def host_reserve_bytes(host: int) -> int:
+    """The default --host-reserve-gib: max(2 GiB, 10% of host RAM)."""
+    return max(HOST_RESERVE_MIN, int(HOST_RESERVE_SHARE * host))
+
+
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """The device and host bytes one rank has, and what the model takes before
-    the optimizer: params, grads (the params' dtype) and activations."""
+    the optimizer: params, grads (the params' dtype) and activations. device
+    None: not given (counts and bytes only, no device fit, no budget)."""
 
-    device: int
+    device: Optional[int]
     headroom: int
     host: int
+    host_reserve: int
     ranks_per_host: int
     params: int
     activations: int
 
     @property
-    def optimizer_budget(self) -> int:
+    def optimizer_budget(self) -> Optional[int]:
         """What is left for the optimizer: the device_budget_bytes to give SwapOptimizer."""
-        return self.device - self.headroom - 2 * self.params - self.activations
+        return None if self.device is None else self.device - self.headroom - 2 * self.params - self.activations
+
+    @property
+    def host_for_states(self) -> int:
+        """Host RAM the pinned states of this host's ranks may take: RAM less the reserve."""
+        return self.host - self.host_reserve
 
     def row(self, plan: str, settings: str, optimizer_device: Optional[int], host_state: Optional[int],
-            **figures) -> dict:
-        """A table row; optimizer_device None: no plan fits."""
-        fits = optimizer_device is not None
+            no_plan: Optional[str] = None, **figures) -> dict:
+        """A table row; optimizer_device None: no plan fits, for the reason `no_plan`.
+        fits_device is None without a device size, fits_host None without a plan;
+        why_not says why a row does not fit (None where it does)."""
+        planned = optimizer_device is not None
+        device_total = 2 * self.params + self.activations + optimizer_device if planned else None
+        fits_device = None if self.device is None else planned and optimizer_device <= self.optimizer_budget
+        fits_host = None if host_state is None else host_state * self.ranks_per_host <= self.host_for_states
+        reasons = [no_plan] if no_plan else []
+        if planned and fits_device is False:
+            reasons.append(f"device: {gib(device_total)} GiB in all, more than {gib(self.device - self.headroom)} "
+                           f"GiB ({gib(self.device)} less {gib(self.headroom)} headroom)")
+        if fits_host is False:
+            ranks = "" if self.ranks_per_host == 1 else f" x {self.ranks_per_host} ranks"
+            reasons.append(f"host: {gib(host_state)} GiB pinned{ranks}, more than {gib(self.host_for_states)} GiB "
+                           f"({gib(self.host)} less the {gib(self.host_reserve)} reserve)")
         return dict(plan=plan, settings=settings, params_bytes=self.params, grads_bytes=self.params,
                     activation_bytes=self.activations, optimizer_device_bytes=optimizer_device,
-                    device_total_bytes=2 * self.params + self.activations + optimizer_device if fits else None,
-                    host_state_bytes=host_state,
-                    fits_device=fits and optimizer_device <= self.optimizer_budget,
-                    fits_host=host_state is not None and host_state * self.ranks_per_host <= self.host, **figures)
+                    device_total_bytes=device_total, host_state_bytes=host_state, fits_device=fits_device,
+                    fits_host=fits_host, why_not="; ".join(reasons) or None, **figures)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,15 +197,31 @@ class Planner:
             rows.append(self.swap_row(memory, "swapped" + ("" if mode == "default" else f" {mode}"),
                                       settings(mode, swap_times, num_arenas), summary, fixed_times, fixed_arenas))
         budget = memory.optimizer_budget
+        if budget is None:  # no --device-memory: counts and bytes only
+            return rows
         best = self.best_plan(state_mode, budget, swap_times, num_arenas) if budget > 0 else None
         name = "best resident share" + ("" if state_mode == "default" else f" {state_mode}")
         if best is None:
-            rows.append(memory.row(name, f"no plan fits an optimizer budget of {gib(budget)} GiB", None, None))
+            rows.append(memory.row(name, "no plan", None, None,
+                                   no_plan=self.no_plan_reason(memory, state_mode, swap_times, num_arenas)))
         else:
             rows.append(dict(self.swap_row(memory, name, settings(state_mode, swap_times, num_arenas, budget),
                                            best.summary, best.swap_times, best.num_arenas),
                              resident_params=len(best.resident_params)))
         return rows
+
+    def no_plan_reason(self, memory: Memory, mode: str, swap_times: Optional[int],
+                       num_arenas: Optional[int]) -> str:
+        """Why no plan fits the optimizer's budget."""
+        budget = memory.optimizer_budget
+        if budget <= 0:
+            need = memory.headroom + 2 * memory.params + memory.activations
+            return (f"no room for the optimizer: headroom {gib(memory.headroom)} + params {gib(memory.params)} + "
+                    f"grads {gib(memory.params)} + activations {gib(memory.activations)} = {gib(need)} GiB, more than "
+                    f"the device's {gib(memory.device)} GiB")
+        least, _ = smallest_device_bytes(self.lay_out(mode), self.swappable, 0, swap_times, num_arenas)
+        return (f"the smallest plan (all swapped, at the finest split) takes {least:,} bytes on the device, more "
+                f"than the optimizer's budget of {budget:,} bytes")
 
 
 def settings(mode: str, swap_times: Optional[int], num_arenas: Optional[int], budget: Optional[int] = None) -> str:
@@ -197,10 +242,11 @@ def seconds(value: Optional[float]) -> str:
     return f"{value:.2f} s" if value >= 1 else f"{value * 1e3:.2f} ms"
 
 
-def table(rows: list[dict]) -> list[str]:
+def table(rows: list[dict], device_given: bool = True) -> list[str]:
+    """The rows as text; without a device size, no 'fits device' column."""
     header = ("plan", "swap_times", "arenas", "params", "grads", "res. state", "resident", "staging",
               "device total", "pinned host", "each way", "step", "fits device", "fits host")
-    yes_no = {True: "yes", False: "no"}
+    yes_no = {True: "yes", False: "no", None: "-"}
     cells = [header]
     for row in rows:
         rotating = row.get("batches", 0) > 0  # swap_times and num_arenas mean nothing with every state resident
@@ -212,9 +258,38 @@ def table(rows: list[dict]) -> list[str]:
                       gib(row["device_total_bytes"]), gib(row["host_state_bytes"]),
                       gib(row.get("moved_bytes_each_way")), seconds(row.get("predicted_step_seconds")),
                       yes_no[row["fits_device"]], yes_no[row["fits_host"]]))
-    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
+    if not device_given:
+        cells = [line[:-2] + line[-1:] for line in cells]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
     return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
             for line in cells]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The --dtype name of a torch dtype."""
+    return next(name for name, value in DTYPES.items() if value == dtype)
+
+
+def row_notes(rows: list[dict], dtype: torch.dtype) -> list[str]:
+    """What the rows do not say by themselves."""
+    notes = ["Note: resident AdamW counts its state only, exp_avg and exp_avg_sq (twice the params' bytes). torch's "
+             "update allocates more during step(): its foreach path (the default on CUDA) one more param-sized set "
+             "at once (exp_avg_sq's square root), the for-loop one param's worth, fused=True none. The SwapOptimizer "
+             "rows count their own update's allocations (the fused op's row table)."]
+    named = {row["plan"]: row for row in rows}
+    if dtype != torch.float32 and named["swapped bf16"]["host_state_bytes"] == named["swapped"]["host_state_bytes"]:
+        change = "only their rounding (stochastic instead of to nearest)" if dtype == torch.bfloat16 else \
+            "their format (bf16: fp32's range, fewer mantissa bits) and rounding (stochastic)"
+        notes.append("Note: swapped bf16 stores and moves the same bytes as swapped here: the moments of "
+                     f"{dtype_name(dtype)} params are 2 bytes already (kept in the param's dtype, as torch keeps "
+                     f"them), and state_dtype=torch.bfloat16 changes {change}. It halves the state of fp32 params; "
+                     "for 16-bit params, 8bit and kahan+8bit move fewer bytes.")
+    return notes
+
+
+def say(text: str, first: str = "", indent: str = "    ") -> None:
+    """Prints text wrapped at 118 columns (options whole)."""
+    print(textwrap.fill(text, width=118, initial_indent=first, subsequent_indent=indent, break_on_hyphens=False))
 
 
 def host_memory_bytes() -> int:
@@ -227,10 +302,15 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, argparse.
                         help=f"a model preset: {', '.join(PRESETS)}")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="the same, as an option")
     parser.add_argument("--config", metavar="PATH", help="a Hugging Face config.json (or its folder) instead")
-    parser.add_argument("--device-memory", type=float, required=True, metavar="GIB", help="device memory per GPU")
+    parser.add_argument("--device-memory", type=float, metavar="GIB",
+                        help="device memory per GPU; without it, counts and bytes only (no device fit, no budget's "
+                             "plan)")
     parser.add_argument("--headroom-gib", type=float, default=1.0,
                         help="device memory left free for the allocator's fragmentation and the framework (default 1)")
     parser.add_argument("--host-memory", type=float, metavar="GIB", help="host RAM (default: this machine's)")
+    parser.add_argument("--host-reserve-gib", type=float, metavar="GIB",
+                        help="host RAM the pinned states must leave to the OS, data loading and the processes "
+                             "(default: max(2 GiB, 10%% of host RAM))")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="param dtype (default bf16)")
     parser.add_argument("--world-size", type=int, default=1, help="FSDP2 ranks sharding the params (default 1)")
     parser.add_argument("--ranks-per-host", type=int,
@@ -268,8 +348,9 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, argparse.
     for name in ("device_memory", "link_gbps", "update_gbps", "link_both_gbps", "host_memory"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
-    if args.headroom_gib < 0 or (args.activation_gib is not None and args.activation_gib < 0):
-        parser.error("--headroom-gib and --activation-gib must be >= 0")
+    for name in ("headroom_gib", "activation_gib", "host_reserve_gib"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0")
     return args, parser
 
 
@@ -297,8 +378,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     activations = activation_bytes(model, args.batch, args.seq, itemsize, args.attention) if estimated \
         else int(args.activation_gib * GIB)
     host = int(args.host_memory * GIB) if args.host_memory else host_memory_bytes()
-    memory = Memory(int(args.device_memory * GIB), int(args.headroom_gib * GIB), host,
-                    args.ranks_per_host or args.world_size, rank_numel * itemsize, activations)
+    reserve = host_reserve_bytes(host) if args.host_reserve_gib is None else int(args.host_reserve_gib * GIB)
+    if reserve >= host:
+        parser.error(f"--host-reserve-gib: {gib(reserve)} GiB leaves nothing of {gib(host)} GiB of host RAM")
+    device = None if args.device_memory is None else int(args.device_memory * GIB)
+    memory = Memory(device, int(args.headroom_gib * GIB), host, reserve, args.ranks_per_host or args.world_size,
+                    rank_numel * itemsize, activations)
     rows = planner.rows(memory, dtype, args.swap_times, args.num_arenas, args.state_mode)
 
     if estimated:
@@ -308,16 +393,25 @@ def main(argv: Optional[list[str]] = None) -> int:
                            "logits and their grad; --activation-gib to set it")
     else:
         activation_note = "given: --activation-gib"
+    model_bytes = f"params {gib(memory.params)} + grads {gib(memory.params)} + activations {gib(activations)} " \
+                  f"({activation_note})"
+    if device is None:
+        device_line = (f"device: {model_bytes} = {gib(2 * memory.params + activations)} GiB before the optimizer; "
+                       "no --device-memory, so no device fit and no budget's plan")
+    else:
+        device_line = (f"device: {gib(device)} GiB = headroom {gib(memory.headroom)} + {model_bytes} + the "
+                       f"optimizer's budget {gib(memory.optimizer_budget)} GiB")
+    reserve_note = "given" if args.host_reserve_gib is not None else \
+        "max(2 GiB, 10%), for the OS, data loading and the processes themselves; --host-reserve-gib to change"
     header = [
         f"model: {description}",
         f"params: {numel:,} ({args.dtype}) in {len(planner.params)} tensors; world size {args.world_size}"
         + ("" if args.world_size == 1 else f" (FSDP2, dim 0 sharded): {rank_numel:,} per rank; FSDP2's all-gathered "
            "blocks come out of the headroom") + "; every figure is per rank",
-        f"device: {gib(memory.device)} GiB = headroom {gib(memory.headroom)} + params {gib(memory.params)} + grads "
-        f"{gib(memory.params)} + activations {gib(activations)} ({activation_note}) + the optimizer's budget "
-        f"{gib(memory.optimizer_budget)} GiB",
-        f"host RAM: {gib(host)} GiB ({'given' if args.host_memory else 'this machine, --host-memory to change'}), "
-        f"for the pinned states of {memory.ranks_per_host} rank(s); leave room for the OS and data loading",
+        device_line,
+        f"host RAM: {gib(host)} GiB ({'given' if args.host_memory else 'this machine, --host-memory to change'}) less "
+        f"a reserve of {gib(reserve)} GiB ({reserve_note}) leaves {gib(memory.host_for_states)} GiB for the pinned "
+        f"states of {memory.ranks_per_host} rank(s)",
         f"cost model (assumed, not measured): {cost_model.describe()}. Defaults: 25 GB/s each way (PCIe Gen4 x16, "
         f"effective), {BOTH_WAYS_FACTOR}x that both at once, 1000 GB/s update (a datacenter GPU); --link-gbps, "
         "--link-both-gbps, --update-gbps",
@@ -325,30 +419,38 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"{args.swap_times or DEFAULTS.fixed_swap_times}, num_arenas {args.num_arenas or DEFAULTS.fixed_num_arenas} "
         "(SwapOptimizer's defaults unless --swap-times, --num-arenas), one per state form"
         + (" (master and kahan need 16-bit params)" if dtype == torch.float32 else "")
-        + f". 'best resident share': the plan device_budget_bytes = the optimizer's budget chooses ({args.state_mode} "
-        "states): the fastest predicted one that fits, keeping params' states resident in param order.",
+        + ("." if device is None else f". 'best resident share': the plan device_budget_bytes = the optimizer's budget "
+           f"chooses ({args.state_mode} states): the fastest predicted one that fits, keeping params' states resident "
+           "in param order."),
     ]
     for line in header:
-        print(textwrap.fill(line, width=118, subsequent_indent="    ", break_on_hyphens=False))
+        say(line)
     print()
-    print("\n".join(table(rows)))
-    print("\nGiB. res. state: states on the device; staging: arenas and step table during step(); each way: bytes "
-          "copied\nto the device and back per step; step: the predicted optimizer step; fits host: pinned host x "
-          "ranks <= host RAM.")
+    print("\n".join(table(rows, device_given=device is not None)))
+    print()
+    say("GiB. res. state: states on the device; staging: arenas and step table during step(); each way: bytes copied "
+        "to the device and back per step; step: the predicted optimizer step; fits host: pinned host x ranks <= host "
+        "RAM less the reserve.", indent="")
     for row in rows:
         print(f"  {row['plan']}: {row['settings']}")
-    best = rows[-1]
-    if best["optimizer_device_bytes"] is None:
-        reason = "params, grads and activations alone leave no room" if memory.optimizer_budget <= 0 \
-            else "even the finest split does not fit the optimizer budget"
-        print(f"No plan fits {gib(memory.device)} GiB: {reason}; shard with --world-size, lower the activations, "
-              "or use a larger device.")
+        if row["why_not"]:
+            say(f"does not fit: {row['why_not']}", first=" " * 6, indent=" " * 8)
+    notes = row_notes(rows, dtype)
+    for note in notes:
+        say(note)
+    if device is None:
+        say("For whether each plan fits the device, and the plan a device budget chooses (best resident share), pass "
+            "--device-memory GIB.")
+    elif rows[-1]["optimizer_device_bytes"] is None:
+        say(f"No plan fits {gib(device)} GiB ({rows[-1]['why_not']}); shard with --world-size, lower the activations, "
+            "or use a larger device.")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(dict(model=title, params=numel, rank_params=rank_numel, dtype=args.dtype,
                            world_size=args.world_size, memory=dataclasses.asdict(memory),
                            optimizer_budget_bytes=memory.optimizer_budget, activations_estimated=estimated,
-                           cost_model=dataclasses.asdict(cost_model), header=header, rows=rows), out, indent=1)
+                           cost_model=dataclasses.asdict(cost_model), header=header, rows=rows, notes=notes),
+                      out, indent=1)
         print(f"wrote {args.json}")
     return 0
 

@@ -30,6 +30,11 @@ def run_plan(tmp_path, *args):
     return report, {row["plan"]: row for row in report["rows"]}
 
 
+def printed(capsys):
+    """What the planner printed, its lines joined (they are wrapped at 118 columns)."""
+    return " ".join(line.strip() for line in capsys.readouterr().out.splitlines())
+
+
 def stepped(shapes, **settings):
     """SwapOptimizer over bf16 CPU params of `shapes` after one step with random grads."""
     torch.manual_seed(0)
@@ -148,8 +153,8 @@ def test_llama_8b_does_not_fit_24_gib_and_needs_96_gb_pinned_for_masters(tmp_pat
     assert rows["best resident share"]["optimizer_device_bytes"] is None
     assert rows["swapped master"]["host_state_bytes"] == pytest.approx(params * 12, rel=1e-6)  # 96.4 GB
     assert rows["swapped 8bit"]["moved_bytes_each_way"] / params == pytest.approx(2.03, abs=0.005)
-    out = capsys.readouterr().out
-    assert "No plan fits 24.00 GiB" in out and "estimate" in out and "29.92 GiB" not in out
+    out = printed(capsys)
+    assert "No plan fits 24.00 GiB (no room for the optimizer" in out and "estimate" in out
 
 
 def test_world_size_halves_the_bytes_per_rank(tmp_path):
@@ -188,11 +193,114 @@ def test_refuses_unknown_model_types_naming_the_supported_ones(tmp_path, capsys)
         from_hf_config(missing)
 
 
+def test_fits_host_leaves_a_reserve_for_the_os(tmp_path, capsys):
+    """Pinned pages cannot be swapped out: a plan pinning 23.47 of 23.54 GiB
+    of RAM does not fit. The reserve is max(2 GiB, 10% of RAM), or given."""
+    report, rows = run_plan(tmp_path, "llama-3.1-8b", "--device-memory", 48, "--host-memory", 23.54)
+    best = rows["best resident share"]
+    assert round(best["host_state_bytes"] / GIB, 2) == 23.47 and best["fits_device"]
+    assert best["fits_host"] is False
+    assert report["memory"]["host_reserve"] == int(0.1 * int(23.54 * GIB))
+    out = printed(capsys)
+    assert "less a reserve of 2.35 GiB (max(2 GiB, 10%)" in out
+    assert "host: 23.47 GiB pinned, more than 21.19 GiB (23.54 less the 2.35 reserve)" in best["why_not"]
+    assert "does not fit: host: 23.47 GiB pinned" in out
+    assert rows["swapped 8bit"]["fits_host"] and rows["swapped 8bit"]["why_not"] is None  # 15.19 GiB
+    _, rows = run_plan(tmp_path, "llama-3.1-8b", "--device-memory", 48, "--host-memory", 23.54,
+                       "--host-reserve-gib", 0)
+    assert rows["best resident share"]["fits_host"]
+    report, rows = run_plan(tmp_path, "llama-3.1-8b", "--device-memory", 48, "--host-memory", 17)
+    assert report["memory"]["host_reserve"] == 2 * GIB  # 10% of 17 GiB is less than 2 GiB
+    assert rows["swapped 8bit"]["fits_host"] is False  # 15.19 GiB pinned, more than 15.00
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_swapped_bf16_equals_swapped_for_16_bit_params_and_says_why(tmp_path, capsys, dtype):
+    report, rows = run_plan(tmp_path, "gpt2-124m", "--device-memory", 16, "--dtype", dtype)
+    for key in ("host_state_bytes", "moved_bytes_each_way", "staging_bytes"):
+        assert rows["swapped bf16"][key] == rows["swapped"][key], key
+    note = f"swapped bf16 stores and moves the same bytes as swapped here: the moments of {dtype} params are 2 bytes"
+    assert note in printed(capsys) and any(note in line for line in report["notes"])
+    report, rows = run_plan(tmp_path, "gpt2-124m", "--device-memory", 16, "--dtype", "fp32")
+    assert rows["swapped bf16"]["host_state_bytes"] < 0.51 * rows["swapped"]["host_state_bytes"]
+    assert "swapped bf16 stores" not in printed(capsys) and not any("swapped bf16" in n for n in report["notes"])
+
+
+def test_a_row_that_does_not_fit_says_why(tmp_path, capsys):
+    # No room at all: params, grads, activations and headroom exceed the device.
+    _, rows = run_plan(tmp_path, "llama-3.1-8b", "--device-memory", 24, "--host-memory", 512)
+    best = rows["best resident share"]
+    assert best["optimizer_device_bytes"] is None and best["fits_host"] is None
+    assert best["why_not"].startswith("no room for the optimizer: headroom 1.00 + params 14.96 + grads 14.96 + "
+                                      "activations 10.46")
+    assert rows["swapped"]["why_not"] == "device: 44.11 GiB in all, more than 23.00 GiB (24.00 less 1.00 headroom)"
+    out = printed(capsys)
+    assert "best resident share: no plan does not fit: no room for the optimizer" in out
+    # Some room, less than the smallest plan: a budget of about 1,000 bytes.
+    config = write_config(tmp_path, **TINY_LLAMA)
+    params_and_grads = 2 * 2 * sum(torch.Size(s).numel() for s in from_hf_config(config).param_shapes())
+    report, rows = run_plan(tmp_path, "--config", config, "--device-memory", f"{(params_and_grads + 1000) / GIB:.15f}",
+                            "--headroom-gib", 0, "--activation-gib", 0)
+    budget = report["optimizer_budget_bytes"]
+    assert 0 < budget <= 1000
+    why = rows["best resident share"]["why_not"]
+    assert why.startswith("the smallest plan (all swapped, at the finest split) takes ")
+    assert why.endswith(f"bytes on the device, more than the optimizer's budget of {budget:,} bytes")
+    assert int(why.split(" takes ")[1].split(" bytes")[0].replace(",", "")) > budget
+
+
+def test_device_memory_is_optional_for_counts_and_bytes(tmp_path, capsys):
+    report, rows = run_plan(tmp_path, "llama-3.1-8b", "--host-memory", 128)
+    out = printed(capsys)
+    assert "best resident share" not in rows and report["optimizer_budget_bytes"] is None
+    assert all(row["fits_device"] is None and row["fits_host"] is not None for row in rows.values())
+    assert "fits device" not in out and "fits host" in out
+    assert "pass --device-memory GIB" in out and "no --device-memory, so no device fit and no budget's plan" in out
+    _, with_device = run_plan(tmp_path, "llama-3.1-8b", "--host-memory", 128, "--device-memory", 80)
+    for name, row in rows.items():
+        for key in ("host_state_bytes", "moved_bytes_each_way", "staging_bytes", "device_total_bytes",
+                    "predicted_step_seconds"):
+            assert row[key] == with_device[name][key], (name, key)
+    assert "pass --device-memory" not in printed(capsys)
+
+
+def test_resident_adamw_counts_the_state_only_and_says_so(tmp_path, capsys):
+    """The note's claim about torch's update: foreach makes one more
+    param-sized set at once (exp_avg_sq's square root), fused none."""
+    report, rows = run_plan(tmp_path, "gpt2-124m", "--device-memory", 16, "--dtype", "fp32")
+    assert rows["resident AdamW"]["optimizer_device_bytes"] == rows["resident AdamW"]["resident_state_bytes"]
+    note = "resident AdamW counts its state only, exp_avg and exp_avg_sq (twice the params' bytes)"
+    assert note in printed(capsys) and any(note in line for line in report["notes"])
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NewForeachTensors(TorchDispatchMode):
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if "_foreach_" in func.__name__ and not func.__name__.split(".")[0].endswith("_"):
+                self.elements += sum(t.numel() for t in out)
+            return out
+
+    for flags, expected in ((dict(foreach=True), "params"), (dict(fused=True), 0)):
+        params = [torch.randn(300, 10, requires_grad=True), torch.randn(1000, requires_grad=True)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer = torch.optim.AdamW(params, **flags)
+        optimizer.step()
+        with NewForeachTensors() as mode:
+            optimizer.step()
+        assert mode.elements == (4000 if expected == "params" else 0), flags
+
+
 @pytest.mark.parametrize("args, message", [
     (["gpt2-124m", "--device-memory", "8", "--optimizer", "sgd"], "only adamw"),
     (["--device-memory", "8"], "name one model"),
     (["gpt2-124m", "--config", "x.json", "--device-memory", "8"], "name one model"),
     (["gpt2-124m", "--device-memory", "8", "--num-arenas", "1"], "--num-arenas must be >= 2"),
+    (["gpt2-124m", "--host-reserve-gib", "-1"], "--host-reserve-gib must be >= 0"),
+    (["gpt2-124m", "--host-memory", "4", "--host-reserve-gib", "4"], "leaves nothing of 4.00 GiB"),
 ])
 def test_refuses_bad_arguments(args, message, capsys):
     with pytest.raises(SystemExit):
