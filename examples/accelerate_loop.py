@@ -6,13 +6,20 @@ optimizer, loader, scheduler), clip_grad_norm_, save_state and load_state.
 """
 
 import os
+import sys
 
 import torch
 from torch.utils.data import DataLoader
 
-from common import arguments, print_memory, require, save_final, tiny_lm, token_data
+# common.py is beside this script, and `python -P examples/...` leaves the
+# script's folder off sys.path: put it there.
+HERE = os.path.dirname(os.path.realpath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
-accelerate = require("accelerate", "accelerate")
+from common import arguments, print_memory, require, save_final, tiny_lm, token_data  # noqa: E402
+
+accelerate = require("accelerate")
 from swap_optimizer import SwapOptimizer  # noqa: E402
 
 

@@ -22,14 +22,20 @@ from torch import nn
 PHASES = ("all", "first", "resume", "straight")
 
 
-def require(module: str, package: str):
-    """Imports a framework, or stops with the command that installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        sys.exit(f"skipped: {os.path.basename(sys.argv[0])} needs {package}; install it with "
-                 f"`pip install '{package}'` (or every example's framework: `pip install transformers accelerate "
-                 "lightning`, the versions docs/integrations.md names)")
+def require(package: str, *modules: str):
+    """Imports a framework: the first of `modules` that imports (the package's
+    own name if none are given), or stops naming them and the command that
+    installs `package`."""
+    modules = modules or (package,)
+    for module in modules:
+        try:
+            return importlib.import_module(module)
+        except ImportError:
+            pass
+    names = " or ".join(dict.fromkeys(module.split(".")[0] for module in modules))
+    sys.exit(f"skipped: {os.path.basename(sys.argv[0])} needs {names}; install it with `pip install '{package}'` "
+             "(or every example's framework: `pip install transformers accelerate lightning`, the versions "
+             "docs/integrations.md names)")
 
 
 def arguments(description: str, steps: int = 6, stop_at: int = 3, more=None) -> argparse.Namespace:

@@ -5,6 +5,7 @@ optimizer of the local shards, save and load with torch.distributed.checkpoint.
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -12,8 +13,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from common import arguments, print_memory, save_final, tiny_lm, token_data
-from swap_optimizer import SwapOptimizer
+# common.py is beside this script, and `python -P examples/...` leaves the
+# script's folder off sys.path: put it there.
+HERE = os.path.dirname(os.path.realpath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from common import arguments, print_memory, save_final, tiny_lm, token_data  # noqa: E402
+from swap_optimizer import SwapOptimizer  # noqa: E402
 
 
 def build(device):

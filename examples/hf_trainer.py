@@ -7,12 +7,19 @@ Trainer's own checkpoints, resumed with resume_from_checkpoint.
 """
 
 import os
+import sys
 
 import torch
 
-from common import arguments, print_memory, require, save_final, token_data
+# common.py is beside this script, and `python -P examples/...` leaves the
+# script's folder off sys.path: put it there.
+HERE = os.path.dirname(os.path.realpath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
-transformers = require("transformers", "transformers")
+from common import arguments, print_memory, require, save_final, token_data  # noqa: E402
+
+transformers = require("transformers")
 from swap_optimizer import SwapOptimizer  # noqa: E402
 
 

@@ -2,21 +2,30 @@
 scheduler dict; gradient_clip_val, precision="bf16-mixed", ModelCheckpoint,
 and a resume with fit(ckpt_path=...).
 
-    python examples/lightning_module.py
+    python examples/lightning_module.py    # with lightning or pytorch_lightning installed
 """
 
 import os
+import sys
 
 import torch
 from torch.utils.data import DataLoader
 
-from common import arguments, print_memory, require, save_final, tiny_lm, token_data
+# common.py is beside this script, and `python -P examples/...` leaves the
+# script's folder off sys.path: put it there.
+HERE = os.path.dirname(os.path.realpath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
-lightning = require("lightning", "lightning")
+from common import arguments, print_memory, require, save_final, tiny_lm, token_data  # noqa: E402
+
+# Lightning 2 installs as `lightning` (its trainer is lightning.pytorch) or as the
+# standalone `pytorch_lightning`, the same classes: either does.
+pl = require("lightning", "lightning.pytorch", "pytorch_lightning")
 from swap_optimizer import SwapOptimizer  # noqa: E402
 
 
-class LanguageModel(lightning.LightningModule):
+class LanguageModel(pl.LightningModule):
     def __init__(self):
         super().__init__()
         self.model = tiny_lm()
@@ -32,7 +41,7 @@ class LanguageModel(lightning.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class StopAt(lightning.Callback):
+class StopAt(pl.Callback):
     """Ends fit after a step, as an interruption would (after its checkpoint)."""
 
     def __init__(self, step):
@@ -43,17 +52,17 @@ class StopAt(lightning.Callback):
             trainer.should_stop = True
 
 
-class PrintLoss(lightning.Callback):
+class PrintLoss(pl.Callback):
     def on_train_batch_end(self, trainer, module, outputs, *args):
         print(f"step {trainer.global_step}: loss {outputs['loss'].item():.4f}")
 
 
 def fit(args, checkpoints, stop_at=None, resume_from=None):
-    callbacks = [PrintLoss(), lightning.pytorch.callbacks.ModelCheckpoint(
+    callbacks = [PrintLoss(), pl.callbacks.ModelCheckpoint(
         dirpath=checkpoints, filename="{step}", every_n_train_steps=args.stop_at, save_top_k=-1)]
     if stop_at is not None:
         callbacks.append(StopAt(stop_at))
-    trainer = lightning.Trainer(
+    trainer = pl.Trainer(
         max_steps=args.steps, accelerator="gpu" if args.device == "cuda" else "cpu", devices=1,
         precision="bf16-mixed", gradient_clip_val=1.0, callbacks=callbacks, logger=False,
         enable_progress_bar=False, enable_model_summary=False)

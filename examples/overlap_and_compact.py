@@ -7,11 +7,18 @@ moments), saved and resumed with torch.save / load_state_dict.
 """
 
 import os
+import sys
 
 import torch
 
-from common import arguments, print_memory, save_final, tiny_lm, token_data
-from swap_optimizer import SwapOptimizer, dequantize_state_dict
+# common.py is beside this script, and `python -P examples/...` leaves the
+# script's folder off sys.path: put it there.
+HERE = os.path.dirname(os.path.realpath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from common import arguments, print_memory, save_final, tiny_lm, token_data  # noqa: E402
+from swap_optimizer import SwapOptimizer, dequantize_state_dict  # noqa: E402
 
 STATE_DTYPES = {"8bit": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float32}
 
