@@ -2,7 +2,11 @@
 trust_per_param_step=True (and trust_elementwise_step=True): each one either
 runs bitwise like the plain optimizer or is refused with SwapOptimizer's
 error. Never a silent difference. Slow tier: it needs timm and
-pytorch_optimizer, which .ci/run installs, pinned, for it."""
+pytorch_optimizer, which .ci/run installs, pinned, for it. Users get the
+newest releases: before each release, run it by hand against those too
+(docs/integrations.md has the command and the versions tried)."""
+
+import random
 
 import pytest
 import torch
@@ -50,9 +54,24 @@ def make_params():
     return [nn.Parameter(torch.randn(*s, generator=generator)) for s in SHAPES]
 
 
+def seed_global_generators(seed=0):
+    """The same global random state for the plain run and the wrapped one: an
+    optimizer may draw from it (pytorch_optimizer's Alice draws torch.randperm
+    each step), and then only equal draws compare equal."""
+    torch.manual_seed(seed)  # the CPU generator and every CUDA device's
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
+
+
 def run(cls, swapped_settings=None):
     """The params after STEPS steps, and the states as the optimizer's state
-    dict holds them (tensors and numbers, by param index)."""
+    dict holds them (tensors and numbers, by param index), from the same
+    global random state each time."""
+    seed_global_generators()
     params = make_params()
     optimizer = cls(params, lr=1e-3)
     if swapped_settings is not None:
