@@ -20,10 +20,10 @@ DeviceLike = Union[str, int, torch.device]
 
 
 def resolve_device(device: DeviceLike) -> torch.device:
-    """`device` with its index: `"cuda"` (or an int, or `torch.device("cuda")`)
-    becomes the current CUDA device `cuda:N`; `cuda:N` stays N, whichever
-    device is current; CPU stays `cpu`. Refuses a CUDA index this machine does
-    not have, naming the ones it has."""
+    """`device` with its index: `"cuda"` or `torch.device("cuda")` becomes the
+    current CUDA device `cuda:N`; `cuda:N` (or the int N, as torch.device(N)
+    reads it) stays N, whichever device is current; CPU stays `cpu`. Refuses a
+    CUDA index this machine does not have, naming the ones it has."""
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as error:

@@ -393,8 +393,12 @@ class _Watch:
             # Collected on the thread that runs its pending step's update (a
             # garbage collection inside the rule's Python code), which cannot
             # wait for it: the pass goes on, orphaned, its hooks and watch
-            # waiting as before, and unregisters itself when it ends.
+            # waiting as before; a thread of its own waits for the step and
+            # lets the runtime go, and the stepping thread's next module call
+            # (or the pass's end) unregisters it.
             overlap.orphaned = True
+            threading.Thread(target=overlap.finish_orphaned_step, name="swap_optimizer orphaned step",
+                             daemon=True).start()
             return
         overlap.finish_pass()
         overlap.drop_watch()  # an optimizer dropped mid-pass leaves no watch behind
@@ -473,6 +477,20 @@ def _after_call(module, args, output):
 
 
 _UNRANKED = 1 << 62
+
+
+def _wait_for_dropped_step(runtime) -> None:
+    """Waits for the step a dropped optimizer left; a finalizer (or the thread
+    that finishes an orphaned pass) cannot raise, so a failure is a warning
+    that says what it left."""
+    try:
+        runtime.wait_step()
+    except Exception as error:  # noqa: BLE001  (reported, not swallowed)
+        warnings.warn(f"SwapOptimizer(overlap_forward=True) was dropped while its last step was still running, "
+                      f"and that step failed: {error}. The params that step had not reached keep their values "
+                      "from before it (a param cut into pieces may be partly updated); load the last checkpoint "
+                      "into a new optimizer, or keep the optimizer and call optimizer.wait() after the last "
+                      "step() to see such a failure raised", RuntimeWarning, stacklevel=3)
 
 # Tests only: the rules ForwardOverlap.knocked_out_rules may switch off, one at
 # a time, each caught by its own test in tests/test_overlap_mutations.py.
@@ -826,7 +844,10 @@ class ForwardOverlap:
             watch.thread = None
 
     def _tidy(self) -> None:
-        if self._watch.thread is not None and not (self.pending or self.probing):
+        if self.orphaned and not self.pending and threading.get_ident() == self.owner:
+            self.orphaned = False  # its step is done (finish_orphaned_step): nothing left to wait for
+            _Watch.unregister(self)
+        elif self._watch.thread is not None and not (self.pending or self.probing):
             self._pop_watch()
 
     def drop_watch(self) -> None:
@@ -850,6 +871,7 @@ class ForwardOverlap:
         if runtime is not None:  # first: a nested signal meanwhile still finds the step pending, and waits too
             runtime.wait_step()  # a failure of the step is raised here, once
         self.pending = False
+        self._pending_runtime = None
         self._spans = None
 
     def complete_dropped_step(self) -> bool:
@@ -865,15 +887,21 @@ class ForwardOverlap:
             return True
         if runtime.on_update_thread():
             return False
-        try:
-            runtime.wait_step()
-        except Exception as error:  # noqa: BLE001  (reported, not swallowed)
-            warnings.warn(f"SwapOptimizer(overlap_forward=True) was dropped while its last step was still running, "
-                          f"and that step failed: {error}. The params that step had not reached keep their values "
-                          "from before it (a param cut into pieces may be partly updated); load the last checkpoint "
-                          "into a new optimizer, or keep the optimizer and call optimizer.wait() after the last "
-                          "step() to see such a failure raised", RuntimeWarning, stacklevel=2)
+        _wait_for_dropped_step(runtime)
         return True
+
+    def finish_orphaned_step(self) -> None:
+        """On a thread of its own (see _Watch.unregister): waits for the step an
+        orphaned pass holds and lets its runtime, the pinned store, go then,
+        whether or not the model is ever called again."""
+        with self._lock:
+            runtime = self._pending_runtime
+            if not (self.orphaned and self.pending) or runtime is None:
+                return  # the stepping thread's waits got there first
+            _wait_for_dropped_step(runtime)
+            self.pending = False
+            self._pending_runtime = None
+            self._spans = None
 
     def on_call(self, module: nn.Module) -> None:
         """A module call anywhere (the global pre-hook)."""

@@ -148,6 +148,10 @@ def _same_value(a: Any, b: Any) -> bool:
         return bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b).all())
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
+    if isinstance(a, (list, tuple)) and type(a) is type(b):  # element by element: they may hold tensors
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and type(a) is type(b):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
     try:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # noqa: BLE001  (values that cannot be compared are not the same)
@@ -155,14 +159,24 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def _fresh(value: Any) -> Any:
-    """A copy of a group value that may change in place (a tensor, a container,
-    a tuple of tensors such as tensor betas): what a step's batches read is the
-    value at step(), whatever a call, a scheduler's in-place fill_ or
-    GradScaler does to the original meanwhile."""
+    """A copy of a group value's tensors and containers (lists, tuples, dicts,
+    sets, as deep as they go; tensor betas, say): what a step's batches read
+    is the value at step(), whatever a call, a scheduler's in-place fill_ or
+    GradScaler does to the original meanwhile. Any other object is shared,
+    as a shallow copy of the group shares it: a module or a lock a group may
+    hold is neither copied nor refused."""
     if torch.is_tensor(value):
-        return value.clone()
-    if isinstance(value, (list, tuple, dict, set)):
-        return copy.deepcopy(value)
+        with torch.no_grad():
+            return value.clone()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_fresh(item) for item in value))
+    if isinstance(value, (list, tuple, set)):
+        return type(value)(_fresh(item) for item in value)
+    if isinstance(value, dict):
+        copied = copy.copy(value)  # (its type and attributes, a defaultdict's factory)
+        for key, item in value.items():
+            copied[key] = _fresh(item)
+        return copied
     return value
 
 
@@ -678,8 +692,10 @@ class RuleSwapOptimizer(SwapOptimizer):
         names a state it does not keep), the params updated so far get their
         values back before the error: nothing changed."""
         name = type(self.optimizer).__name__
-        backups, entries, stateless = [], {}, []
+        backups, updated, layouts, stateless = [], {}, {}, []
         had_state = any(self._shown[i] for i in first)
+        if had_state:
+            self._synchronize()  # the host store holds the last step's copies
         try:
             for i in first:
                 param = params[i]
@@ -691,13 +707,15 @@ class RuleSwapOptimizer(SwapOptimizer):
                 call_group, start = self._call_group(self._group_of[i], [piece])
                 run_torch_update(self.optimizer, [call_group], state, strict=True)
                 self._note_groups_after(self._group_of[i], call_group, start)
-                entry = state[piece]
-                _learn_layout(i, param, entry, name, check_device=True)  # refuses what cannot be streamed
-                if not entry:
+                updated[i] = state[piece]
+                layouts[i] = _learn_layout(i, param, updated[i], name, check_device=True)  # refuses the unstreamable
+                if not updated[i]:
                     stateless.append(id(param))
-                entries[param] = {key: value.to("cpu", copy=True) if torch.is_tensor(value) and value.dim() > 0
-                                  else value for key, value in entry.items()}
-            if had_state or any(entries.values()):
+            if all(self._shown[i] and updated[i] and layouts[i] == self._layouts_now[i] for i in first):
+                self._write_entries(updated)  # a resume: the states the store holds already, new values
+            elif had_state or any(updated.values()):
+                entries = {params[i]: {key: value.to("cpu", copy=True) if torch.is_tensor(value) and value.dim() > 0
+                                       else value for key, value in entry.items()} for i, entry in updated.items()}
                 self._lay_out({**self._kept_state(), **entries})
         except BaseException:
             for param, backup in backups:
@@ -706,13 +724,33 @@ class RuleSwapOptimizer(SwapOptimizer):
         self._stateless.update(stateless)
         self._not_updated -= {id(params[i]) for i in first}
 
+    def _write_entries(self, updated: dict) -> None:
+        """Writes the states of params whose layout did not change (index ->
+        its state after a whole update) into the store: views copied, scalars
+        in place where they can be (torch keeps their identity)."""
+        for i, entry in updated.items():
+            scalars = self._scalars[i]
+            for spec in self._layouts_now[i]:
+                new = entry[spec.name]
+                if spec.kind != SCALAR:
+                    self._views[i][spec.name].copy_(new)
+                    continue
+                old = scalars.get(spec.name)
+                if torch.is_tensor(old) and torch.is_tensor(new) and old.shape == new.shape and \
+                        old.dtype == new.dtype and old.device == new.device:
+                    old.copy_(new)
+                else:
+                    scalars[spec.name] = new
+        self._runtime.order_writes()  # resident states written on this stream
+        self._refresh_state(self._params())
+
     def _start_state(self, index: int, param: torch.Tensor) -> dict:
         """Copies, on the param's device, of the state param `index` has now
         (none before its first update, unless the optimizer made some in its
-        __init__ or it was loaded): what a whole update of it starts from."""
+        __init__ or it was loaded): what a whole update of it starts from.
+        The caller has synchronized: the host store holds the last step's."""
         if not self._shown[index]:
             return {}
-        self._synchronize()  # the host store holds the last step's copies
         return {key: (value.to(param.device, copy=True) if value.dim() > 0 else value.clone())
                 if torch.is_tensor(value) else copy.deepcopy(value) for key, value in self._entry(index).items()}
 
@@ -736,6 +774,8 @@ class RuleSwapOptimizer(SwapOptimizer):
         # The probe's random draws leave the user's streams as they were.
         devices = sorted({params[i].device.index or 0 for i in smallest.values()
                           if params[i].device.type == "cuda"})
+        if any(self._shown[i] for i in smallest.values()):
+            self._synchronize()  # the host store holds the last step's copies (_start_state reads them)
         with torch.random.fork_rng(devices=devices):
             for key, i in smallest.items():
                 value, grad = params[i].detach(), grads[i]
@@ -846,7 +886,7 @@ class RuleSwapOptimizer(SwapOptimizer):
             # place: compared by value with the group's (the runtime's calls run
             # in inference mode, where a copy's version counter says nothing).
             if key not in start or value is not start[key] or (
-                    (torch.is_tensor(value) or isinstance(value, (list, dict, set)))
+                    (torch.is_tensor(value) or isinstance(value, (list, tuple, dict, set)))
                     and not _same_value(value, self._step_groups[g][key])):
                 written[key] = value
         removed = sorted(set(start) - set(call_group))
@@ -907,6 +947,7 @@ class RuleSwapOptimizer(SwapOptimizer):
             self._lay_out(loaded)  # a new store (no torn params), or an error before anything is replaced
             self._probed.clear()  # new settings: a vouched-for optimizer's contract is checked again
             self._not_updated = {id(p) for p in loaded} if self._learning else set()
+            self._stateless.difference_update(id(p) for p in loaded)  # a loaded state is learned again
         except BaseException:
             inner.state, inner.param_groups = saved_state, saved_groups
             raise

@@ -244,6 +244,9 @@ def foreign_state_keys(state: dict, param_ids: set) -> list[str]:
                   for key in state if not torch.is_tensor(key) or id(key) not in param_ids)
 
 
+_DEVICE_ERRORS = tuple(error for error in (getattr(torch, "AcceleratorError", None),) if error is not None)
+
+
 def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state: dict,
                      strict: bool = False, grad_scale: Optional[dict] = None) -> None:
     """torch's own step of `optimizer`'s class over `groups` (param groups
@@ -259,7 +262,9 @@ def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state
     try:
         _torch_step(optimizer)(stand_in)
     except Exception as error:
-        if not strict:  # torch's own optimizers: their errors are theirs to word
+        # torch's own optimizers' errors are theirs to word; so are a lack of
+        # memory and a device's failure, whoever's step met them.
+        if not strict or isinstance(error, (torch.OutOfMemoryError, *_DEVICE_ERRORS)):
             raise
         raise RuntimeError(
             f"SwapOptimizer: {type(optimizer).__name__}'s own step raised {type(error).__name__}: {error}, where "

@@ -738,3 +738,23 @@ def test_foreach_left_to_torch_is_counted_as_torch_chooses_it_on_cuda():
     assert estimated_temporaries(sgd, rows, dict(foreach=None), cpu, 0) == 3 * 4000
     assert estimated_temporaries(adafactor, rows, dict(foreach=None), cuda, 0) == 3 * 4000
     assert estimated_temporaries(adafactor, rows, dict(foreach=True), cuda, 0) == 3 * 4200
+
+
+def test_a_group_value_that_cannot_be_copied_is_shared_not_refused():
+    """The values a step reads are copied at step() (tensors and containers),
+    but objects a group may hold besides (a lock, a module) are shared as a
+    shallow copy of the group shares them: stepping neither copies nor
+    refuses them, and stays bitwise."""
+    import threading
+
+    a, b = make_params("SGD"), make_params("SGD")
+    extra = [threading.Lock(), nn.Linear(4, 4)]
+    plain = torch.optim.SGD([{"params": a, "extra": extra}], lr=0.1, momentum=0.9)
+    swapped = so.SwapOptimizer(torch.optim.SGD([{"params": b, "extra": extra}], lr=0.1, momentum=0.9),
+                               swap_times=2, min_numel=0)
+    for step in range(3):
+        give_grads(step, a, b)
+        plain.step()
+        swapped.step()
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert swapped.param_groups[0]["extra"] is extra

@@ -650,3 +650,73 @@ def test_an_error_inside_a_vouched_for_step_is_a_refusal_that_changes_nothing():
     assert all(torch.equal(a, p) for a, p in zip(before, params))
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, params))
     assert not any(swapped.state.values())
+
+
+class TupleCounter(Lion):
+    """Lion with a group step counter kept in a tuple and bumped in place (a
+    group value a vouched-for step changes)."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        for group in self.param_groups:
+            group["count"] = (torch.zeros(()),)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["count"][0].add_(1)
+            group["lr"] = 1e-3 / float(group["count"][0])
+        return super().step(closure)
+
+
+def test_a_tensor_inside_a_tuple_group_value_changed_in_place_is_followed():
+    """Each call gets its own copy of the tuple; what the calls write into it
+    (the same in every call) becomes the group's, as in the plain run."""
+    plain, swapped = run_pair(lambda ps: TupleCounter(ps), steps=4, swap_times=2)
+    assert swapped.param_groups[0]["count"][0].item() == plain.param_groups[0]["count"][0].item() == 4
+
+
+def test_a_resume_relearns_from_the_loaded_state_without_laying_the_store_out_again(monkeypatch):
+    """After load_state_dict each param's next update runs whole from its
+    loaded state (it might hold state made outside a step); when that update
+    keeps the states the store already holds, they are written in place: no
+    second store (bitwise the plain optimizer all along)."""
+    a, b = make_params(), make_params()
+    plain, first = Lion(a), so.SwapOptimizer(Lion(b), min_numel=0, swap_times=4, trust_per_param_step=True)
+    for step in range(3):
+        give_grads(step, a, b)
+        plain.step()
+        first.step()
+    saved = first.state_dict()
+    del first
+    resumed = so.SwapOptimizer(Lion(b), min_numel=0, swap_times=2, trust_per_param_step=True)
+    resumed.load_state_dict(saved)
+    layouts = []
+    real_lay_out = type(resumed)._lay_out
+    monkeypatch.setattr(type(resumed), "_lay_out", lambda self, *args, **kw: layouts.append(1) or
+                        real_lay_out(self, *args, **kw))
+    for step in range(3, 6):
+        give_grads(step, a, b)
+        plain.step()
+        resumed.step()
+    assert not layouts, "the first step after the load laid the store out again"
+    assert not resumed._not_updated
+    for p, q in zip(a, b):
+        assert same_bits(p, q)
+    assert_same_state(plain, resumed)
+
+
+class RunsOutOfMemory(Lion):
+    @torch.no_grad()
+    def step(self, closure=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_running_out_of_memory_inside_a_vouched_for_step_stays_an_out_of_memory_error():
+    """Not the advice to keep the state on the device: the error of a lack of
+    memory is raised as it is (and refuses nothing)."""
+    params = make_params()
+    swapped = so.SwapOptimizer(RunsOutOfMemory(params), min_numel=0, trust_per_param_step=True)
+    give_grads(0, params)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        swapped.step()
