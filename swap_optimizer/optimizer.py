@@ -109,7 +109,12 @@ def _claim(optimizer: torch.optim.Optimizer, wrapper: "SwapOptimizer") -> None:
                                "the SwapOptimizer (what SwapOptimizer(...) returned), and hand that to schedulers, "
                                "GradScaler and frameworks")
 
-    weakref.finalize(wrapper, optimizer.register_step_pre_hook(refuse_step).remove)
+    try:
+        handle = optimizer.register_step_pre_hook(refuse_step)
+    except TypeError:  # an optimizer that keeps its hooks in a dict of its own (a wrapper's): no guard to add
+        handle = None
+    if handle is not None:
+        weakref.finalize(wrapper, handle.remove)
     # Frameworks that hold the inner optimizer save and load through it: its
     # state dicts are the wrapper's (the store, waited for and validated).
     optimizer.state_dict = lambda: itself().state_dict()

@@ -226,3 +226,17 @@ def test_stepping_the_wrapped_optimizer_itself_is_refused(kind):
     del swapped
     gc.collect()
     inner.step()  # unwrapped again: the optimizer is the user's
+
+
+def test_an_optimizer_whose_step_hooks_cannot_be_registered_is_still_wrapped():
+    """A wrapper optimizer may keep its hooks in a plain dict (pytorch_optimizer
+    3.11's Magma), where torch cannot register one: the guard against its own
+    step() is left out, the wrapping goes on."""
+    ps = params()
+    inner = Lion(ps)
+    inner._optimizer_step_pre_hooks = {}  # not weak-referenceable: register_step_pre_hook raises TypeError
+    swapped = so.SwapOptimizer(inner, swap_times=2, trust_per_param_step=True)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    swapped.step()
+    assert all(set(entry) == {"exp_avg"} for entry in swapped.state.values())
