@@ -27,6 +27,9 @@ class Lion(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
 
+    def grad_of(self, p):
+        return p.grad
+
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
@@ -34,13 +37,14 @@ class Lion(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                grad = self.grad_of(p)
                 state = self.state[p]
-                if not state:
+                if "exp_avg" not in state:
                     state["exp_avg"] = torch.zeros_like(p)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-                update = state["exp_avg"].mul(beta1).add_(p.grad, alpha=1 - beta1).sign_()
+                update = state["exp_avg"].mul(beta1).add_(grad, alpha=1 - beta1).sign_()
                 p.add_(update, alpha=-group["lr"])
-                state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
+                state["exp_avg"].mul_(beta2).add_(grad, alpha=1 - beta2)
 
 
 class RowScaled(torch.optim.Optimizer):
@@ -599,20 +603,8 @@ class MaskedLion(Lion):
             for p in group["params"]:
                 self.state[p]["mask"] = (p.detach().abs() < 1.0).to(p.dtype)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                grad = p.grad * state["mask"]  # KeyError without the state made in __init__
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                update = state["exp_avg"].mul(beta1).add_(grad, alpha=1 - beta1).sign_()
-                p.add_(update, alpha=-group["lr"])
-                state["exp_avg"].mul_(beta2).add_(grad, alpha=1 - beta2)
+    def grad_of(self, p):
+        return p.grad * self.state[p]["mask"]  # KeyError without the state made in __init__
 
 
 @pytest.mark.parametrize("elementwise", [False, True])
