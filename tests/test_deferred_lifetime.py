@@ -274,6 +274,7 @@ def test_an_optimizer_collected_on_its_update_thread_still_lands_its_step(then):
     import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    result = subprocess.run([sys.executable, "-c", COLLECTED_ON_THE_UPDATE_THREAD, tests, then], capture_output=True,
-                            text=True, timeout=300)
+    # -P and the tests' folder as the working directory: the installed package, never the source folder.
+    result = subprocess.run([sys.executable, "-P", "-c", COLLECTED_ON_THE_UPDATE_THREAD, tests, then],
+                            capture_output=True, text=True, timeout=300, cwd=tests)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
