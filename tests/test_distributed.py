@@ -25,7 +25,15 @@ def run_case(case, backend, tmp_path):
     assert f"{case} on {backend}: passed" in out.stdout
 
 
-@pytest.mark.parametrize("case", CASES)
+# Variants of the cases above (FSDP2 with compact states, a budget, cut params,
+# mixed precision; DDP overlap with a dropped layer): each spawns two ranks for
+# about 7 s, so they run in the slow tier, which .ci/run runs too.
+SLOW_CASES = {"fsdp2_split", "fsdp2_8bit", "fsdp2_bf16_moments", "fsdp2_mixed_precision", "fsdp2_budget",
+              "ddp_overlap_layer_drop"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case in SLOW_CASES else case
+                                  for case in CASES])
 def test_two_ranks_gloo(case, tmp_path):
     run_case(case, "gloo", tmp_path)
 
@@ -40,4 +48,4 @@ def test_every_case_is_documented():
     """docs/distributed.md says what each case checks."""
     with open(os.path.join(os.path.dirname(TESTS), "docs", "distributed.md")) as doc:
         documented = re.findall(r"^\| `(\w+)` \|", doc.read(), flags=re.M)
-    assert "fsdp2_8bit" in CASES and sorted(documented) == sorted(CASES)
+    assert "fsdp2_8bit" in CASES and sorted(documented) == sorted(CASES) and SLOW_CASES < set(CASES)

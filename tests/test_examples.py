@@ -147,6 +147,7 @@ def test_an_example_without_its_framework_says_how_to_install_it(tmp_path, flags
     assert f"skipped: {script} needs {names}; install it with `pip install '{package}'`" in out.stderr, out.stderr
 
 
+@pytest.mark.slow  # a real run (seconds); the default tier checks -P through the missing-framework messages
 def test_an_example_runs_under_python_P(tmp_path):
     """The README runs the package with `python -P`, which leaves the script's
     folder off sys.path; an example run so finds common.py beside it all the
