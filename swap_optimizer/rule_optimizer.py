@@ -80,8 +80,19 @@ def _unscales_in_step(optimizer: torch.optim.Optimizer, declaration: Declaration
 
 
 def _copied(entry: dict) -> dict:
-    """A state entry whose tensors are copies (a new store is filled from it)."""
+    """A state entry whose tensors are copies (a new store, or a probe, starts from it)."""
     return {key: value.clone() if torch.is_tensor(value) else value for key, value in entry.items()}
+
+
+def _keep_scalar(scalars: dict, name: str, new: Any) -> None:
+    """A param's scalar after an update: written into the kept tensor in place
+    where it can be (torch keeps its identity), else replaced."""
+    old = scalars.get(name)
+    if torch.is_tensor(old) and torch.is_tensor(new) and old.shape == new.shape and old.dtype == new.dtype and \
+            old.device == new.device:
+        old.copy_(new)
+    else:
+        scalars[name] = new
 
 
 class _Kept(NamedTuple):
@@ -284,17 +295,9 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
             if value is not view:  # created or replaced by torch's step: adopted into the store
                 view.copy_(value)
         if last:  # the param's scalars after the step: in place, as torch keeps them (identity included)
-            scalars = step.scalars[index]
             for spec in step.layouts[index]:
-                if spec.kind != SCALAR:
-                    continue
-                old, new = scalars.get(spec.name), entry[spec.name]
-                if torch.is_tensor(old) and torch.is_tensor(new) and old.shape == new.shape and \
-                        old.dtype == new.dtype and old.device == new.device:
-                    old.copy_(new)
-                else:
-                    scalars[spec.name] = new
-
+                if spec.kind == SCALAR:
+                    _keep_scalar(step.scalars[index], spec.name, entry[spec.name])
 
 
 class RuleSwapOptimizer(SwapOptimizer):
@@ -729,18 +732,11 @@ class RuleSwapOptimizer(SwapOptimizer):
         its state after a whole update) into the store: views copied, scalars
         in place where they can be (torch keeps their identity)."""
         for i, entry in updated.items():
-            scalars = self._scalars[i]
             for spec in self._layouts_now[i]:
-                new = entry[spec.name]
-                if spec.kind != SCALAR:
-                    self._views[i][spec.name].copy_(new)
-                    continue
-                old = scalars.get(spec.name)
-                if torch.is_tensor(old) and torch.is_tensor(new) and old.shape == new.shape and \
-                        old.dtype == new.dtype and old.device == new.device:
-                    old.copy_(new)
+                if spec.kind == SCALAR:
+                    _keep_scalar(self._scalars[i], spec.name, entry[spec.name])
                 else:
-                    scalars[spec.name] = new
+                    self._views[i][spec.name].copy_(entry[spec.name])
         self._runtime.order_writes()  # resident states written on this stream
         self._refresh_state(self._params())
 
@@ -847,8 +843,7 @@ class RuleSwapOptimizer(SwapOptimizer):
         in `starts` (empty before a first update), one update per entry of
         grads_by_step (their grads): each copy after them, and its state."""
         pieces = [value.clone() for value in values]
-        state = {piece: {key: item.clone() if torch.is_tensor(item) else copy.deepcopy(item)
-                         for key, item in start.items()} for piece, start in zip(pieces, starts)}
+        state = {piece: _copied(start) for piece, start in zip(pieces, starts)}
         group, _ = self._call_group(g, pieces)  # what one update writes, the next reads
         for number, step_grads in enumerate(grads_by_step):
             for piece, grad in zip(pieces, step_grads):
