@@ -1,5 +1,7 @@
-"""swap-optimizer: AdamW with its state in pinned host memory, streamed through
-small device staging arenas during step()."""
+"""swap-optimizer: a torch.optim optimizer (Adam/AdamW, every other torch.optim
+optimizer with per-param state, or one you vouch for) with its state in
+pinned host memory, streamed through small device staging arenas during
+step(): SwapOptimizer(torch.optim.AdamW(model.parameters()), swap_times=8)."""
 
 import os
 

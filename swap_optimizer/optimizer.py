@@ -1,14 +1,15 @@
-"""SwapOptimizer: wraps torch.optim.Adam/AdamW and keeps their state in host
-memory, streamed through a few device staging arenas during step(). (Other
-optimizers: rule_optimizer.py with rules.py; Adam's state-dict conversions:
-state_dicts.py; DTensor helpers: distributed.py.)"""
+"""SwapOptimizer: wraps a torch.optim optimizer (Adam, AdamW, SGD, Adagrad,
+RMSprop, Adadelta, Adamax, NAdam, RAdam, ASGD, Rprop, Adafactor, Muon, or one
+the user vouches for) and keeps its state in host memory, streamed through a
+few device staging arenas during step(). This module is what every optimizer
+shares: the torch.optim interface, the checks, the step's common part, waits,
+device budgets and moves of the store. How a batch is updated is the rule's
+(swap_optimizer.rules); DTensor helpers: distributed.py."""
 
 from __future__ import annotations
 
-import copy
 import functools
 import gc
-import inspect
 import logging
 import warnings
 import weakref
@@ -17,34 +18,19 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import _C
-from .compact import FORMAT_KEY, MIN_QUANTIZED_NUMEL, MOMENTS, code_map, state_format
-from .budget import (AutoBudget, Planning, allocated, budget_stats, copy_bytes, fused_op_table_bytes,
-                     plan_for_budget)
+from .budget import AutoBudget, allocated, budget_stats, plan_for_budget
 from .config import SwapOptimizerConfig
-from .distributed import (_check_fsdp_8bit, _global_offset, _is_dtensor, _like_param, _local,
-                          _shared_default_seed, _sharded_scales)
-from .overlap import ForwardOverlap, capturing, signals_after_the_step
-from .rules import DECLARATIONS, REFUSED, declaration_for
-from .state_dicts import checked_adam_state, write_adam_states
+from .overlap import ForwardOverlap
+from .params import check_distinct, check_overlap_params, check_params
+from .rules import choose_rule
+from .step_guards import refuse_step_capture, signals_after_the_step
 
 
-_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
 _log = logging.getLogger("swap_optimizer")
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Flags that choose how torch runs the update, not what it computes: loading a
-# state dict keeps this optimizer's own.
-_EXECUTION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 
-def _keeps_adam_step(optimizer: torch.optim.Optimizer) -> bool:
-    return isinstance(optimizer, torch.optim.Adam) and inspect.unwrap(type(optimizer).step) is _ADAM_STEP
 
 
-def _trusted(args: tuple, kwargs: dict) -> bool:
-    """Whether SwapOptimizer(optimizer, *args, **kwargs) says trust_per_param_step=True."""
-    config = args[0] if args else kwargs.get("config")
-    return bool(kwargs.get("trust_per_param_step", getattr(config, "trust_per_param_step", False)))
 
 
 def _holds_params(value: Any) -> bool:
@@ -65,16 +51,6 @@ def _check_optimizer(optimizer: Any) -> None:
         what = "params (or param groups)" if _holds_params(optimizer) else f"a {type(optimizer).__name__}"
         raise TypeError(f"SwapOptimizer wraps a torch.optim optimizer, and got {what}: make the optimizer first, "
                         "then wrap it, as in SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))")
-    refused = next((reason for cls, reason in REFUSED.items() if isinstance(optimizer, cls)), None)
-    if refused is not None:
-        raise TypeError(f"SwapOptimizer cannot wrap {type(optimizer).__name__}: {refused}")
-    if not _keeps_adam_step(optimizer):
-        supported = ", ".join(sorted(cls.__name__ for d in DECLARATIONS for cls in d.classes))
-        raise TypeError(f"SwapOptimizer wraps torch.optim.Adam or AdamW (or subclasses that keep their step) and "
-                        f"torch.optim's {supported} (the classes themselves); got {type(optimizer).__name__}. "
-                        "For an optimizer of your own or from a package, SwapOptimizer cannot prove from outside "
-                        "that its step treats each param on its own (a global norm, Prodigy's d): if it does, "
-                        "pass trust_per_param_step=True (see 'Optimizers of your own' in docs/usage.md)")
 
 
 def _check_not_wrapped(optimizer: torch.optim.Optimizer) -> None:
@@ -121,32 +97,8 @@ def _claim(optimizer: torch.optim.Optimizer, wrapper: "SwapOptimizer") -> None:
     optimizer.load_state_dict = lambda state_dict: itself().load_state_dict(state_dict)
 
 
-def _check_group_flags(group: dict, index: int) -> None:
-    # foreach and fused only choose how torch would run the update, which
-    # SwapOptimizer replaces with its own fused one: both are accepted.
-    for flag, fix in (("capturable", "capturable=False"), ("differentiable", "differentiable=False")):
-        if group.get(flag):
-            raise ValueError(f"SwapOptimizer: param group {index} has {flag}=True, which SwapOptimizer does not "
-                             f"support (it runs its own fused update); create the optimizer with {fix}")
 
 
-def _check_params(params: list[torch.Tensor], device: Optional[torch.device], first_index: int = 0) -> torch.device:
-    for offset, p in enumerate(params):
-        index = first_index + offset
-        if p.layout != torch.strided:
-            raise ValueError(f"SwapOptimizer: param {index} is sparse ({p.layout}); only dense params are supported")
-        if p.is_complex():
-            raise TypeError(f"SwapOptimizer: param {index} is complex ({p.dtype}); use torch.view_as_real "
-                            "on complex params or keep them in a separate optimizer")
-        if p.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"SwapOptimizer: param {index} has dtype {p.dtype}; supported are float32, "
-                            "bfloat16 and float16")
-        if device is None:
-            device = p.device
-        elif p.device != device:
-            raise ValueError(f"SwapOptimizer: param {index} is on {p.device} but earlier params are on {device}; "
-                             "all params must be on one device")
-    return device
 
 
 def _on_the_optimizer_itself(method):
@@ -160,56 +112,12 @@ def _on_the_optimizer_itself(method):
     return run
 
 
-def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) bytes a tensor's elements occupy."""
-    extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
-    return tensor.data_ptr(), tensor.data_ptr() + extent * tensor.element_size()
 
 
-def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors whose byte spans overlap share an element: column
-    slices of one buffer interleave without sharing any."""
-    (a_begin, a_end), (b_begin, b_end) = _byte_span(a), _byte_span(b)
-    size = a.element_size()
-    start, count = min(a_begin, b_begin), (max(a_end, b_end) - min(a_begin, b_begin)) // size
-    if b.element_size() != size or (a_begin - b_begin) % size or count > 1 << 24:
-        return True  # not comparable element by element (or too large to check): take the spans' word
-    taken = torch.zeros(count, dtype=torch.bool)
-    indices = torch.arange(count)
-    taken[indices.as_strided(a.shape, a.stride(), (a_begin - start) // size).flatten()] = True
-    return bool(taken[indices.as_strided(b.shape, b.stride(), (b_begin - start) // size).flatten()].any())
 
 
-def _check_distinct(params: list[torch.Tensor]) -> None:
-    """Refuses a param listed twice (a tied weight passed twice, say) and params
-    whose memory overlaps; disjoint views of one buffer (vector_to_parameters)
-    are fine. Indices are in param_groups order."""
-    first_index = {}
-    for index, p in enumerate(params):
-        if id(p) in first_index:
-            raise ValueError(f"SwapOptimizer: param {index} is the same tensor as param {first_index[id(p)]} "
-                             "(a tied weight listed twice?); list each param once")
-        first_index[id(p)] = index
-    locals_ = [_local(p) for p in params]
-    spans = sorted((*_byte_span(t), index) for index, t in enumerate(locals_) if t.numel() > 0 and not t.is_meta)
-    open_spans = []  # (end, index) of earlier spans that may still overlap
-    for begin, end, index in spans:
-        open_spans = [(e, i) for e, i in open_spans if e > begin]
-        for _, other in open_spans:
-            if _elements_overlap(locals_[other], locals_[index]):
-                a, b = sorted((other, index))
-                raise ValueError(f"SwapOptimizer: params {a} and {b} share memory (their elements overlap), so one "
-                                 "update would overwrite the other; give each its own tensor, or list a tied weight "
-                                 "once")
-        open_spans.append((end, index))
 
 
-def _check_overlap_params(params: list[torch.Tensor]) -> None:
-    dtensors = [i for i, p in enumerate(params) if _is_dtensor(p)]
-    if dtensors:
-        raise ValueError(f"SwapOptimizer: overlap_forward=True does not support DTensor params yet (FSDP2 and tensor "
-                         f"parallel; param(s) {dtensors}): FSDP2 gathers params in its own hooks, which would read "
-                         "them before their update. Use overlap_forward=False with DTensor params")
 
 
 def _forward_overlap(optimizer: "SwapOptimizer", model: Optional[torch.nn.Module],
@@ -220,7 +128,7 @@ def _forward_overlap(optimizer: "SwapOptimizer", model: Optional[torch.nn.Module
         if model is None:
             raise ValueError("SwapOptimizer(overlap_forward=True) needs model=: the module whose forward uses the "
                              "params, so that its blocks can wait for their updates")
-        _check_overlap_params(params)
+        check_overlap_params(params)
         return ForwardOverlap(optimizer, model, params)
     if model is not None:
         raise ValueError("SwapOptimizer: model= is read only with overlap_forward=True; add overlap_forward=True "
@@ -283,16 +191,6 @@ class SwapOptimizer(torch.optim.Optimizer):
     found_inf = property(lambda self: self._amp_get("found_inf"), lambda self, v: self._amp_set("found_inf", v),
                          lambda self: self._amp_del("found_inf"))
 
-    def __new__(cls, optimizer: Optional[torch.optim.Optimizer] = None, *args: Any, **kwargs: Any):
-        """Adam/AdamW get the fused kernel; the optimizers swap_optimizer.rules
-        declares get their own update through RuleSwapOptimizer."""
-        if cls is SwapOptimizer and isinstance(optimizer, torch.optim.Optimizer) \
-                and not isinstance(optimizer, SwapOptimizer) and not _keeps_adam_step(optimizer) \
-                and (declaration_for(optimizer) is not None or _trusted(args, kwargs)):
-            from .rule_optimizer import RuleSwapOptimizer
-            cls = RuleSwapOptimizer
-        return super().__new__(cls)
-
     def __init__(self, optimizer: torch.optim.Optimizer, config: Optional[SwapOptimizerConfig] = None, *,
                  model: Optional[torch.nn.Module] = None, **fields: Any) -> None:
         """model: with overlap_forward=True, the module whose calls use the
@@ -302,37 +200,27 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.__dict__["_itself_ref"] = weakref.ref(self)
         self.config = SwapOptimizerConfig.from_fields(config, fields)
         _check_optimizer(optimizer)
+        rule = choose_rule(optimizer, self.config)
         _check_not_wrapped(optimizer)
-        self.config.check_adam_state_keys()
-        for index, group in enumerate(optimizer.param_groups):
-            _check_group_flags(group, index)
+        rule.check_wrap(self.config)
         all_params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._device = _check_params(all_params, None)
-        _check_distinct(all_params)
+        self._device = check_params(all_params, None)
+        check_distinct(all_params)
+        rule.check_params(all_params)
         self._overlap = _forward_overlap(self, model, all_params)
         self.optimizer = optimizer
+        self._rule = rule
         self._runtime = None
         self._auto = _auto_budget(self.config)
         # (param ids, their first reads in the forward) that the residents follow; None: param order
         self._ranked_by: Optional[tuple[list[int], list[int]]] = None
-        self._rounding_seed = None
-        if self.config.state_dtype == torch.bfloat16:  # stochastic rounding; the seed is saved in state dicts
-            self._rounding_seed = self.config.rounding_seed
-            if self._rounding_seed is None:
-                self._rounding_seed = _shared_default_seed()
-        if self.config.kahan_summation and not any(p.dtype != torch.float32 for p in all_params):
-            warnings.warn("SwapOptimizer: kahan_summation=True applies to 16-bit params, and this optimizer has "
-                          "none; it does nothing here", UserWarning, stacklevel=2)
-        unscale = self.config.unscale_in_step
-        self.__dict__["_unscale_in_step"] = (any(bool(g.get("fused")) for g in optimizer.param_groups)
-                                             if unscale is None else unscale)
+        self.__dict__["_unscale_in_step"] = rule.unscales_in_step(self.config.unscale_in_step)
         # Sets up hooks and step profiling as for any optimizer; add_param_group
         # below defers to the base class until the runtime exists.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
-        existing = {p: dict(s) for p, s in optimizer.state.items() if s}
-        self._build_runtime(existing, "the wrapped optimizer's state")
+        rule.start(self, {p: dict(s) for p, s in optimizer.state.items() if s})
         _claim(optimizer, self)
 
     # ----------------------------------------------------------------- state
@@ -373,181 +261,11 @@ class SwapOptimizer(torch.optim.Optimizer):
         if self.__dict__.get("_runtime") is not None:  # not while Optimizer.__init__ builds the list
             self.optimizer.param_groups = groups
 
-    def _follow_param_groups(self, caller: str) -> None:
-        """Rebuilds the store when the params in param_groups are no longer those
-        it was laid out for (groups reassigned, or params added by hand). A torn
-        state is refused, in `caller`'s name, except by load_state_dict, which
-        rewrites every state (and so may rebuild over it)."""
-        params = self._params()
-        if [id(p) for p in params] == self._param_ids and \
-                [len(g["params"]) for g in self.param_groups] == self._group_sizes:
-            return
-        for index, group in enumerate(self.param_groups):
-            _check_group_flags(group, index)
-        _check_params(params, self._device)
-        _check_distinct(params)
-        if caller != "load_state_dict":
-            self._refuse_if_torn(caller)
-        previous = {p: entry for p, entry in self.state.items() if entry}  # waits for the last step
-        self._build_runtime(previous, "the state carried over to the new param_groups")
-
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
     def _group_of_param(self) -> list[int]:
         return [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-
-    @torch.no_grad()
-    def _build_runtime(self, previous: dict, source: str) -> None:
-        """Lays out the stores for the current params (this rank's parts of
-        DTensors) and fills them from `previous` (param -> state dict), zeros
-        where absent."""
-        params = self._params()
-        if self._overlap is not None:  # refused before anything is built or written: the old store stays whole
-            _check_overlap_params(params)
-            self._overlap.check_params(params)
-        group_of_param = self._group_of_param()
-        group_amsgrad = [bool(group["amsgrad"]) for group in self.param_groups]
-        index_of = {p: i for i, p in enumerate(params)}
-        updates = [(index_of[p], checked_adam_state(p, entry, group_amsgrad[group_of_param[index_of[p]]],
-                                                      f"{source}, param {index_of[p]}"))
-                   for p, entry in previous.items() if p in index_of and entry]
-        local_params = [_local(p) for p in params]
-        swappable = [p.numel() >= self.config.min_numel and p.is_contiguous() for p in local_params]
-        swap_keys = self.config.runtime_swap_keys()
-        global_offsets = []
-        if self._rounding_seed is not None:
-            global_offsets = [_global_offset(p, i) for i, p in enumerate(params)]
-        quantized_params = []
-        if self.config.state_dtype == torch.uint8:
-            for i, p in enumerate(params):
-                if _is_dtensor(p):
-                    _check_fsdp_8bit(p, f"SwapOptimizer: param {i}")
-            # On the whole param (a DTensor's numel), so every rank's shard of it agrees.
-            quantized_params = [p.numel() >= MIN_QUANTIZED_NUMEL for p in params]
-        lay_out_as = functools.partial(_C.plan_staging, local_params, group_of_param, group_amsgrad,
-                                       master_weights=self.config.master_weights, swap_keys=swap_keys,
-                                       kahan_summation=self.config.kahan_summation)
-
-        state_dtype = self.config.state_dtype  # (the closures keep no reference to this optimizer)
-
-        def lay_out(swappable: list[bool], swap_times: int, num_arenas: int) -> dict:
-            summary = lay_out_as(swappable, swap_times=swap_times, num_arenas=num_arenas, state_dtype=state_dtype,
-                                 quantized_params=quantized_params)
-            summary["update_temporary_bytes"] = fused_op_table_bytes(summary["plan"])
-            return summary
-
-        def advice(chosen, cost_model) -> list[str]:
-            """Compact states the user may opt into, with what they would move
-            and the predicted step: advice only, as they change the numerics."""
-            lines = []
-            for dtype in (torch.bfloat16, torch.uint8):
-                if state_dtype == dtype:
-                    continue
-                quantized = [p.numel() >= MIN_QUANTIZED_NUMEL for p in params] if dtype == torch.uint8 else []
-                summary = lay_out_as(chosen.swappable, swap_times=chosen.swap_times, num_arenas=chosen.num_arenas,
-                                     state_dtype=dtype, quantized_params=quantized)
-                seconds = cost_model.predict(summary, chosen.num_arenas)["seconds"]
-                lines.append(f"state_dtype={dtype} would move {summary['moved_bytes']} bytes each way (now "
-                             f"{chosen.summary['moved_bytes']}), predicted step {seconds * 1e3:.3f} ms; it changes "
-                             "the numerics, so it is yours to opt into (docs/usage.md, 'Compact states')")
-            return lines
-
-        def staging_budget_swap_times() -> int:
-            swap_times, smallest = _C.smallest_swap_times_for_budget(
-                local_params, group_of_param, group_amsgrad, swappable, state_dtype=self.config.state_dtype,
-                master_weights=self.config.master_weights, swap_keys=swap_keys,
-                num_arenas=self.config.fixed_num_arenas, budget_bytes=self.config.staging_budget_bytes,
-                kahan_summation=self.config.kahan_summation)
-            if swap_times < 0:
-                raise ValueError(f"SwapOptimizerConfig.staging_budget_bytes={self.config.staging_budget_bytes} is too "
-                                 f"small: the smallest budget that works is {smallest} bytes (the finest split, "
-                                 "pieces of at least 64 KiB of state); raise the budget, or keep more params "
-                                 "resident with a larger min_numel")
-            return swap_times
-
-        copies = copy_bytes(local_params, self.__dict__["_unscale_in_step"] or self._overlap is not None)
-        planning = Planning.make(self.config, self._budget_now(), lay_out, swappable, copies, self._device,
-                                 staging_budget_swap_times, advice, self._resident_priority())
-        runtime = _C.SwapRuntime(local_params, group_of_param, group_amsgrad, planning.swappable,
-                                 swap_times=planning.swap_times, num_arenas=planning.num_arenas, state_dtype=self.config.state_dtype,
-                                 master_weights=self.config.master_weights, pin_memory=self.config.pin_memory,
-                                 keep_arenas=self.config.keep_arenas, swap_keys=swap_keys,
-                                 kahan_summation=self.config.kahan_summation, rounding_seed=self._rounding_seed,
-                                 global_offsets=global_offsets, quantized_params=quantized_params,
-                                 resident_groups=self._resident_groups())
-        stats = runtime.memory_stats()
-        if stats["unpinned_host_bytes"]:
-            warnings.warn(f"SwapOptimizer: could not pin {stats['unpinned_host_bytes']} bytes of host memory; that "
-                          "part of the optimizer state uses pageable memory, so its copies are slower",
-                          RuntimeWarning, stacklevel=3)
-        views = [runtime.state_views(i) for i in range(len(params))]
-        write_adam_states(params, views, dict(updates))
-        runtime.order_writes()
-        self._views = views  # this rank's store views, param by param
-        # Scales are per local shard, never shaped like the param: kept local.
-        self._entries = [{key: value if key == "step" or key.endswith("_absmax") else _like_param(value, p)
-                          for key, value in view.items()} for p, view in zip(params, views)]
-        # As torch.optim, a param shows a state entry once it has one: saved, or
-        # from its first step with a grad. The store keeps a slot for every param.
-        self._shown = [i in dict(updates) for i in range(len(params))]
-        state = self.__dict__["_state"]
-        state.clear()
-        state.update((p, dict(entry)) for p, entry, shown in zip(params, self._entries, self._shown) if shown)
-        if self._overlap is not None:
-            self._overlap.lay_out(params)
-        self._runtime = runtime
-        self._planning = planning
-        self._group_sizes = [len(g["params"]) for g in self.param_groups]
-        self._param_ids = [id(p) for p in params]
-        self._data_pointers = [p.data_ptr() for p in local_params]
-        self._note_param_versions()
-
-    def _note_param_versions(self) -> None:
-        """Remembers the version counter of each param that has a master copy or
-        a Kahan buffer."""
-        self._param_versions = {i: _local(p)._version for i, p in enumerate(self._params())
-                                if "master_param" in self._views[i] or "compensation" in self._views[i]}
-
-    def _sync_outside_changes(self, params: list[torch.Tensor]) -> None:
-        """Brings the store up to date with what changed outside step(): a master
-        copy follows its param when the param was written since the last step
-        (model.load_state_dict, say); a state entry that was replaced, edited or
-        removed in `state` is loaded into the store (removed: reset and hidden, as
-        torch starts it anew at the param's next grad)."""
-        state = self.__dict__["_state"]
-        edits, group_of_param = {}, None  # the latter only once something was edited
-        for i, p in enumerate(params):
-            entry, ours = state.get(p), self._entries[i]
-            if not entry and not self._shown[i]:
-                continue  # no state yet, as in torch (an empty entry: a read of the defaultdict)
-            if entry is not None and len(entry) == len(ours) and all(entry.get(k) is v for k, v in ours.items()):
-                continue
-            group_of_param = group_of_param or self._group_of_param()
-            amsgrad = bool(self.param_groups[group_of_param[i]]["amsgrad"])
-            edits[i] = checked_adam_state(p, entry, amsgrad, f"SwapOptimizer.state[param {i}]") if entry else {}
-        followed = [i for i, version in self._param_versions.items()
-                    if _local(params[i])._version != version and i not in edits]
-        if edits or followed:
-            # The host store is written: the last step's copies out must have landed (on CUDA they may not).
-            self._runtime.synchronize()
-        if edits:
-            write_adam_states(params, self._views, edits, only=edits.keys())
-            for i, values in edits.items():
-                self._shown[i] = bool(values)
-                if values:
-                    state[params[i]] = dict(self._entries[i])
-        with torch.no_grad():
-            for i in followed:
-                view = self._views[i]
-                if "compensation" in view:  # what the old value lost does not belong to the new one
-                    view["compensation"].zero_()
-                    continue
-                # elementwise, as the kernel takes a write through .data
-                master, local = view["master_param"], _local(params[i]).to(view["master_param"].device)
-                master.copy_(torch.where(master.to(local.dtype) == local, master, local.float()))
-        if edits or followed:
-            self._runtime.order_writes()
 
     # ------------------------------------------------------------------ step
     # Dynamo would trace into the C++ runtime and set capturable=True on the
@@ -558,12 +276,9 @@ class SwapOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):  # noqa: D102  (torch.optim API)
         self._refuse_inside_step("step")
         self._refuse_if_torn("step")  # before the closure runs or anything is written
-        if capturing(self._device):
-            raise RuntimeError("SwapOptimizer.step() cannot be captured in a CUDA graph: it copies the state "
-                               "between host and device through its own streams. Capture the forward and backward "
-                               "only, and call step() outside the graph")
+        refuse_step_capture(self._device)
         loss = None
-        if closure is not None:  # as torch.optim.Adam: evaluated once, before the update
+        if closure is not None:  # as torch.optim: evaluated once, before the update
             with torch.enable_grad():
                 loss = closure()
         self.wait()  # after the closure, whose forward overlapped the last step
@@ -571,49 +286,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         # may refuse grads whose forward could not wait for that step.
         if self._overlap is not None:
             self._overlap.end_pass()
-        self._stepping = True  # from here a signal handler may read, not change, the store
-        stepped = False
-        try:
-            self._follow_param_groups("step")
-            groups = self.param_groups
-            group_args = []
-            for index, group in enumerate(groups):
-                _check_group_flags(group, index)
-                beta1, beta2 = group["betas"]
-                decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
-                group_args.append((float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                                   float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]),
-                                   bool(decoupled)))
-            params = [p for g in groups for p in g["params"]]
-            data_pointers = [_local(p).data_ptr() for p in params]
-            if data_pointers != self._data_pointers:  # .data replaced since the last step: aliasing is possible again
-                _check_distinct(params)
-                self._data_pointers = data_pointers
-            self._sync_outside_changes(params)
-            self._settle_plan()  # may move the (synced) store to a new plan
-            deferred = self._overlap is not None and self._overlap.may_defer()  # after any rebuild or move
-            grads = [None if p.grad is None else _local(p.grad) for p in params]
-            state = self.__dict__["_state"]
-            for i, (p, grad) in enumerate(zip(params, grads)):
-                if grad is not None and not self._shown[i]:  # its first step: the state appears, as torch makes it
-                    self._shown[i] = True
-                    state[p] = dict(self._entries[i])
-            stepped = True
-            if self._overlap is not None:
-                self._overlap.before_step(deferred)
-            self._runtime.step([_local(p) for p in params], grads, group_args, getattr(self, "grad_scale", None),
-                               getattr(self, "found_inf", None), deferred=deferred)
-            if self._overlap is not None:
-                self._overlap.after_step(deferred, self._runtime, grads)
-        finally:
-            self._stepping = False
-            if self._overlap is not None:
-                self._overlap.enqueuing = False  # its pass has begun, or step() raised
-            # A stopped step leaves each param and its master consistent too.
-            # (The step bumps no version counter, deferred or not: any later
-            # bump is a write made outside step().)
-            if stepped:
-                self._note_param_versions()
+        self._rule.step(self)
         return loss
 
     @_on_the_optimizer_itself
@@ -657,125 +330,23 @@ class SwapOptimizer(torch.optim.Optimizer):
         if self.__dict__.get("_runtime") is None:  # called by Optimizer.__init__
             return super().add_param_group(param_group)
         self._refuse_inside_step("add_param_group")
-        self.wait()
-        self._follow_param_groups("add_param_group")
-        params = param_group["params"]
-        # A generator can be read once: keep the list, as torch's add_param_group does.
-        param_group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
-        _check_params(params, self._device, first_index=sum(self._group_sizes))
-        _check_group_flags(param_group, len(self.param_groups))
-        _check_distinct(self._params() + params)
-        self._refuse_if_torn("add_param_group")
-        previous = dict(self.state)  # waits for the last step; views stay valid after the rebuild
-        self.optimizer.add_param_group(param_group)  # validates and appends to the shared param_groups
-        try:
-            self._build_runtime(previous, "the current state")
-        except BaseException:
-            self.param_groups.pop()
-            raise
+        self._rule.add_param_group(self, param_group)
 
     # ----------------------------------------------------------- state dicts
     @_on_the_optimizer_itself
     def state_dict(self) -> dict[str, Any]:  # noqa: D102  (torch.optim API)
         """The wrapped optimizer's format; swapped states are the host tensors
-        themselves (no device copy), steps are CPU float32 tensors. (The base
-        class reads `state`, which waits for the last step's copies.) With
-        compact states, each param group also says how they are stored
-        (FORMAT_KEY: the moments' form, the code maps and block size of 8-bit
-        ones, the rounding seed of bf16 ones); see dequantize_state_dict."""
+        themselves (no device copy). (The base class reads `state`, which
+        waits for the last step's copies.) What the rule adds: see its
+        state_dict_extras."""
         state_dict = super().state_dict()
-        if self.config.state_dtype == torch.uint8:  # scales of sharded params get a place per rank
-            params = self._params()
-            for index, entry in state_dict["state"].items():
-                if _is_dtensor(params[index]):
-                    entry = state_dict["state"][index] = dict(entry)  # torch's state dict shares our entries
-                    for key in [k for k in entry if k.endswith("_absmax")]:
-                        entry[key] = _sharded_scales(entry[key], params[index])
-        if self.config.state_dtype in (torch.bfloat16, torch.uint8) or self.config.kahan_summation:
-            form = state_format(self.config.state_dtype, self._rounding_seed)
-            for group in state_dict["param_groups"]:
-                group[FORMAT_KEY] = copy.deepcopy(form)
+        self._rule.state_dict_extras(self, state_dict)
         return state_dict
 
     @_on_the_optimizer_itself
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102  (torch.optim API)
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("SwapOptimizer.load_state_dict: expected an optimizer state dict with 'state' and "
-                             "'param_groups'")
         self._refuse_inside_step("load_state_dict")
-        self.wait()
-        self._follow_param_groups("load_state_dict")
-        state_dict = state_dict.copy()  # as torch: hooks and loading never change the caller's dict
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        saved_groups = copy.deepcopy(state_dict["param_groups"])
-        groups = self.param_groups
-        if len(saved_groups) != len(groups):
-            raise ValueError(f"SwapOptimizer.load_state_dict: the state dict has {len(saved_groups)} param groups "
-                             f"but this optimizer has {len(groups)}")
-        params = self._params()
-        saved_ids, new_groups, saved_seed = [], [], None
-        for g, (saved, group) in enumerate(zip(saved_groups, groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"SwapOptimizer.load_state_dict: param group {g} has {len(saved['params'])} params "
-                                 f"in the state dict but {len(group['params'])} here")
-            if bool(saved.get("amsgrad", False)) != bool(group["amsgrad"]):
-                raise ValueError(f"SwapOptimizer.load_state_dict: param group {g} was saved with amsgrad="
-                                 f"{bool(saved.get('amsgrad', False))} but this optimizer has amsgrad={group['amsgrad']}; "
-                                 "create the wrapped optimizer with the saved amsgrad")
-            saved_ids.extend(saved["params"])
-            new_group = {**self.defaults, **saved, "params": group["params"]}
-            form = new_group.pop(FORMAT_KEY, None)
-            for moment, values in (form.get("code_maps") or {}).items() if isinstance(form, dict) else ():
-                if moment in MOMENTS and list(values) != code_map(moment).tolist():
-                    raise ValueError(f"SwapOptimizer.load_state_dict: param group {g}'s {FORMAT_KEY} has another "
-                                     f"code map for {moment} than this version of swap_optimizer; decode the state "
-                                     "dict with the version that saved it (dequantize_state_dict) and load that")
-            seed = form.get("rounding_seed") if isinstance(form, dict) else None
-            if seed is not None and self._rounding_seed is not None:  # resumes the same rounding draws
-                if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
-                    raise ValueError(f"SwapOptimizer.load_state_dict: param group {g}'s {FORMAT_KEY} has "
-                                     f"rounding_seed {seed!r}; it must be an int in [0, 2**63)")
-                saved_seed = seed
-            for flag in _EXECUTION_FLAGS:
-                new_group[flag] = group.get(flag)
-            if isinstance(self.optimizer, torch.optim.AdamW):
-                new_group["decoupled_weight_decay"] = True  # as AdamW.__setstate__ has it
-            if "param_names" in group and "param_names" not in saved:
-                new_group["param_names"] = group["param_names"]
-            new_groups.append(new_group)
-        index_of_id = {saved_id: i for i, saved_id in enumerate(saved_ids)}
-        group_of_param = self._group_of_param()
-        values = {}
-        for saved_id, entry in state_dict["state"].items():
-            if saved_id not in index_of_id:
-                raise ValueError(f"SwapOptimizer.load_state_dict: state for param id {saved_id!r}, which no param "
-                                 "group of the state dict lists")
-            i = index_of_id[saved_id]
-            if entry:
-                values[i] = checked_adam_state(params[i], entry, bool(groups[group_of_param[i]]["amsgrad"]),
-                                                f"SwapOptimizer.load_state_dict: param {i}")
-        # Everything is checked: write.
-        self._runtime.synchronize()
-        if saved_seed is not None:
-            self._rounding_seed = saved_seed
-            self._runtime.set_rounding_seed(saved_seed)
-        groups[:] = new_groups
-        write_adam_states(params, self._views, values)
-        self._runtime.order_writes()
-        self._runtime.clear_torn()  # every param's state is rewritten, the torn ones' included
-        state = self.__dict__["_state"]
-        self._shown = [i in values for i in range(len(params))]
-        for p, entry, shown in zip(params, self._entries, self._shown):
-            if shown:
-                state[p] = dict(entry)
-            else:
-                state.pop(p, None)
-        self._note_param_versions()
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        self._rule.load_state_dict(self, state_dict)
 
     def _refuse_inside_step(self, what: str) -> None:
         """A signal handler runs inside step() (at a param boundary): reading
@@ -899,53 +470,39 @@ class SwapOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:  # what any layout checks, checked while the old store still stands
             params = self._params()
             try:
-                _check_overlap_params(params)
+                check_overlap_params(params)
                 self._overlap.check_params(params)
             except BaseException:
                 undo()
                 raise
         with signals_after_the_step():  # a Ctrl-C is raised once every state is in a whole store
             saved = [{key: view.to("cpu", copy=True) if view.device.type != "cpu" else view
-                      for key, view in views.items()} for views in self._views]
-            kept = self._bookkeeping()
+                      for key, view in views.items()} for views in self._rule.views]
+            kept = self._rule.bookkeeping()
             self._release_store()
             try:
-                self._lay_out_empty()
+                self._rule.lay_out_empty(self)
                 self._fill_store(saved, kept)
             except BaseException:
                 undo()
                 self._release_store()
-                self._lay_out_empty()
+                self._rule.lay_out_empty(self)
                 self._fill_store(saved, kept)
                 raise
 
     def _fill_store(self, saved: list[dict], kept: dict) -> None:
         with torch.no_grad():
-            for views, values in zip(self._views, saved):
+            for views, values in zip(self._rule.views, saved):
                 for key, view in views.items():
                     view.copy_(values[key])
-        self._restore_bookkeeping(kept)
+        self._rule.restore_bookkeeping(self, kept)
         self._runtime.order_writes()
-
-    def _bookkeeping(self) -> dict:
-        """What a store's layout does not hold: which params show a state."""
-        return dict(shown=list(self._shown))
-
-    def _restore_bookkeeping(self, kept: dict) -> None:
-        self._shown = kept["shown"]
-        state = self.__dict__["_state"]
-        state.clear()
-        state.update((p, dict(entry)) for p, entry, shown in zip(self._params(), self._entries, self._shown)
-                     if shown)
 
     def _release_store(self) -> None:
         """Drops the store and every view of it (its device memory is freed)."""
         self.__dict__["_state"].clear()
-        self._views = self._entries = None
+        self._rule.release()
         self._runtime = None
-
-    def _lay_out_empty(self) -> None:
-        self._build_runtime({}, "no state (it is moved in after)")
 
     # ----------------------------------------------------------------- misc
     @_on_the_optimizer_itself
@@ -953,8 +510,12 @@ class SwapOptimizer(torch.optim.Optimizer):
         """Bytes of the host store, staging arenas (now and peak), resident
         states, bytes moved each way by the last step, batches and arenas; the
         resident share (device state bytes / all state bytes); with
-        device_budget_bytes, the budget and the plan chosen for it."""
-        return budget_stats(self._runtime.memory_stats(), self._planning, self._auto)
+        device_budget_bytes, the budget and the plan chosen for it. With
+        torch's update (TorchUpdateRule.memory_stats): the state keys that go
+        to host memory, an estimate of the update's device temporaries, and the
+        swapped states of the largest param that moves whole."""
+        return {**budget_stats(self._runtime.memory_stats(), self._planning, self._auto),
+                **self._rule.memory_stats(self)}
 
     @_on_the_optimizer_itself
     def plan_report(self) -> dict[str, Any]:

@@ -53,6 +53,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .step_guards import HANDLED_SIGNALS, capturing
+
 # Methods that read only metadata: they never need a param's update. Attribute
 # getters and setters (p.grad, p.data, p.shape, p.grad = None) are left out by
 # kind: an alias they return is caught when it is used (lookups are by storage).
@@ -284,18 +286,6 @@ def check_model(model: nn.Module) -> None:
                              "overlap_forward=False with FSDP")
 
 
-def capturing(device: torch.device) -> bool:
-    """Whether the current stream of `device` (the params' device, which need
-    not be the current one) is capturing a CUDA graph. No CUDA sync or query."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index == torch.cuda.current_device():
-        return torch.cuda.is_current_stream_capturing()
-    with torch.cuda.device(index):
-        return torch.cuda.is_current_stream_capturing()
-
-
 def _structure(model: nn.Module) -> list[tuple]:
     """The model's modules and the params each holds directly, by identity
     (a module replaced, a weight tied or untied), and which are compiled in place."""
@@ -314,36 +304,6 @@ class _Plan:
         self.wait_at = wait_at
         self.step_position = step_position
         self.compiled = compiled
-
-
-_HANDLED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
-                         if hasattr(signal, name))
-
-
-@contextlib.contextmanager
-def signals_after_the_step():
-    """Python signal handlers run between any two bytecodes: a Ctrl-C landing
-    inside torch's update of a batch (Python), or inside a store's move to a
-    new plan, would leave it partly written. Meanwhile the Python handlers of
-    the usual signals only note the signal; once the work is done each noted
-    signal is raised again for its own handler. (Handlers run on the main
-    thread only: work on another thread is never interrupted.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    noted, saved = [], {}
-    for signum in _HANDLED_SIGNALS:
-        handler = signal.getsignal(signum)
-        if callable(handler):
-            saved[signum] = handler
-            signal.signal(signum, lambda received, frame: noted.append(received))
-    try:
-        yield
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
-        for signum in noted:
-            signal.raise_signal(signum)
 
 
 class _WaitFirst:
@@ -412,7 +372,7 @@ class _Watch:
         if cls.quiet_filter in warnings.filters:
             warnings.filters.remove(cls.quiet_filter)
         if threading.current_thread() is threading.main_thread():
-            for signum in _HANDLED_SIGNALS:
+            for signum in HANDLED_SIGNALS:
                 handler = signal.getsignal(signum)
                 if isinstance(handler, _WaitFirst):
                     signal.signal(signum, handler.handler)
@@ -424,7 +384,7 @@ class _Watch:
         wrapped at the next. Only the main thread may set handlers."""
         if threading.current_thread() is not threading.main_thread():
             return
-        for signum in _HANDLED_SIGNALS:
+        for signum in HANDLED_SIGNALS:
             handler = signal.getsignal(signum)
             if callable(handler) and not isinstance(handler, _WaitFirst):
                 signal.signal(signum, _WaitFirst(handler))

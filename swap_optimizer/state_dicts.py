@@ -1,7 +1,7 @@
 """Adam/AdamW state entries as state dicts and `state` edits hold them,
 checked and converted into the store's form (values or 8-bit codes, master
-copies, compensation); the other optimizers' entries are torch's own (see
-rule_optimizer.py)."""
+copies, compensation) for the packed kernel's rule (rules/fused_kernel.py);
+torch's update keeps torch's own entries (rules/torch_update.py)."""
 
 from __future__ import annotations
 

@@ -30,6 +30,10 @@ DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=str(CUDA_SKIP_REASON))),
 ]
+# Settings that select the packed fused Adam kernel for fp32 params (fp32
+# states, which torch's update does not need): for tests calibrated on its
+# store layout, or that compare the two update paths.
+PACKED_KERNEL = dict(state_dtype=torch.float32)
 requires_cuda = pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=str(CUDA_SKIP_REASON))
 
 

@@ -88,7 +88,7 @@ def case_fsdp2(rank, device, work_dir):
         for key in ("exp_avg", "exp_avg_sq"):
             state = ours.state[p][key]
             assert isinstance(state, DTensor) and state.placements == p.placements and state.shape == p.shape
-            assert state._local_tensor is ours._views[i][key]  # the store itself, not a copy on the mesh's device
+            assert state._local_tensor is ours._rule.views[i][key]  # the store itself, not a copy on the mesh's device
             assert_close(state.to_local().to(device), plain.state[q][key].to_local(), **TOL)
         assert ours.state[p]["step"].item() == 6
     # Each rank holds the states of its own shards only: half of the whole.
@@ -246,7 +246,7 @@ def case_fsdp2_8bit(rank, device, work_dir):
     # 2048, each under 4096, and both ranks keep 8-bit states for it.
     small = shard(nn.Sequential(nn.Linear(128, 33)).to(device))
     small_optimizer = SwapOptimizer(adamw(small.parameters()), min_numel=64, state_dtype=torch.uint8)
-    assert "exp_avg_codes" in small_optimizer._views[0] and local(small[0].weight).numel() < 4096
+    assert "exp_avg_codes" in small_optimizer._rule.views[0] and local(small[0].weight).numel() < 4096
     save_checkpoint(model, ours, work_dir)
     assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir, state_dtype=torch.uint8)
 

@@ -202,7 +202,8 @@ import gc, sys, threading
 import torch
 sys.path.insert(0, sys.argv[1])
 import swap_optimizer as so
-from swap_optimizer import overlap, rule_optimizer
+from swap_optimizer import overlap
+from swap_optimizer.rules import torch_update
 from test_overlap import build, loss_of, tokens_for
 
 cpu = torch.device("cpu")
@@ -224,7 +225,7 @@ plain.wait()
 expected = [p.detach().clone() for p in model.parameters()]
 gc.disable()  # collections only where the test runs them
 dropped, collected, collected_event = threading.Event(), [], threading.Event()
-update = rule_optimizer._BatchRule.__call__
+update = torch_update._BatchRule.__call__
 
 def collect_once_on_the_update_thread(self, *args):
     if threading.current_thread() is not threading.main_thread() and not collected:
@@ -236,7 +237,7 @@ def collect_once_on_the_update_thread(self, *args):
 model, optimizer = train(True, 4)
 optimizer.wait()  # the next step is the one whose update collects its optimizer
 optimizer._set_test_hooks(compute_delay_us=30000, seed=1)  # its batches end long after the collection
-rule_optimizer._BatchRule.__call__ = collect_once_on_the_update_thread
+torch_update._BatchRule.__call__ = collect_once_on_the_update_thread
 optimizer.zero_grad()
 loss_of(model, tokens_for(4, cpu)).backward()
 optimizer.step()  # deferred: its first batch waits until the optimizer is dropped, then collects it

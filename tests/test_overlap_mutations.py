@@ -11,8 +11,8 @@ switches off exactly its own rule (ForwardOverlap.knocked_out_rules, listed in
 swap_optimizer.overlap.KNOCKABLE_RULES) and the same comparison then fails.
 test_each_rule_is_caught_by_its_own_case (slow tier) runs every rule against
 every case: the matrix, and why a few cases also fail without another rule.
-step()'s own refusal to be captured lives in optimizer.py and
-rule_optimizer.py, not in the overlap: its test patches their `capturing`.
+step()'s own refusal to be captured lives in swap_optimizer.step_guards, not
+in the overlap: its test patches that module's `capturing`.
 """
 
 import warnings
@@ -22,9 +22,8 @@ import torch
 from torch import nn
 
 import swap_optimizer as so
-import swap_optimizer.optimizer as optimizer_module
 import swap_optimizer.overlap as overlap_module
-import swap_optimizer.rule_optimizer as rule_optimizer_module
+import swap_optimizer.step_guards as step_guards_module
 
 WIDTH = VOCAB = 16  # every param is WIDTH x WIDTH: the embedding, each linear, the head, a layer-scale
 STEPS = 6
@@ -365,19 +364,19 @@ def test_an_overlapped_step_on_cuda_is_unproven_until_synchronize(monkeypatch):
     assert not capture_refused_after_wait(monkeypatch, rules={"unproven"}), "negative control: the capture was refused"
 
 
-@pytest.mark.parametrize("kind", ["adamw", "rule_sgd"])
+@pytest.mark.parametrize("kind", ["adamw_packed", "adamw", "rule_sgd"])
 def test_step_refuses_to_be_captured(monkeypatch, kind):
     """step() inside a CUDA graph capture is refused before anything moves,
-    by the check in step() itself: optimizer.py's for AdamW, rule_optimizer.py's
-    for the other optimizers, each through its own import of `capturing`
-    (patching the overlap's does not reach them)."""
+    by the check in step() itself (step_guards.refuse_step_capture; patching
+    the overlap's `capturing` does not reach it), for the packed kernel and
+    for torch's update alike."""
     torch.manual_seed(0)
     model = Plain()
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2) if kind == "adamw" else \
-        torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    optimizer = so.SwapOptimizer(inner, swap_times=2, min_numel=0)
-    module = optimizer_module if kind == "adamw" else rule_optimizer_module
-    assert type(optimizer).__module__ == module.__name__
+    inner = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9) if kind == "rule_sgd" else \
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
+    settings = dict(state_dtype=torch.float32) if kind == "adamw_packed" else {}
+    optimizer = so.SwapOptimizer(inner, swap_times=2, min_numel=0, **settings)
+    module = step_guards_module
     plain_loop(model, optimizer, 0)
     loss_of(model, tokens_for(1)).backward()
 

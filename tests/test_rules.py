@@ -1,9 +1,13 @@
-"""Optimizers other than Adam/AdamW: torch's own update, run batch by batch on
-the staged states, is bitwise the plain optimizer's (params and every state),
-whatever the batching; what cannot be run exactly is refused."""
+"""torch's own update, run batch by batch on the staged states, is bitwise the
+plain optimizer's (params and every state), whatever the batching, for every
+optimizer it runs (Adam/AdamW with default states included); what cannot be
+run exactly is refused."""
 
 import copy
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +19,8 @@ from conftest import DEVICES, requires_cuda
 # (class name, hyper-parameters): each keeps per-param state, and each runs
 # for-loop and foreach (and fused where torch has it) below.
 CASES = [
+    ("Adam", dict(lr=0.01, amsgrad=True, maximize=True, weight_decay=0.01)),
+    ("AdamW", dict(lr=0.01, weight_decay=0.1)),
     ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
     ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True, maximize=True)),
     ("Adagrad", dict(lr=0.1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1)),
@@ -28,7 +34,7 @@ CASES = [
     ("Adafactor", dict(lr=0.01)),
     ("Muon", dict(lr=0.01)),
 ]
-FUSED = {"SGD", "Adagrad"}  # torch has fused kernels for these (and Adam/AdamW)
+FUSED = {"Adam", "AdamW", "SGD", "Adagrad"}  # torch has fused kernels for these
 WHOLE = {"Adafactor", "Muon"}  # never cut
 SHAPES = [(256, 700), (70000,), (64, 300), (5,)]  # the first two are large enough to be cut into pieces
 STEPS = 20
@@ -123,11 +129,64 @@ def test_16_bit_params(name, device):
     for dtype in (torch.bfloat16, torch.float16):
         _, swapped = run_pair(name, kwargs, steps=8, dtype=dtype, swap_times=4, device=device)
         if device == "cpu":
-            # torch's own CPU result for 16-bit params depends on how its
-            # threads share a tensor, so such params are never cut on the CPU.
+            # torch's own CPU result for 16-bit params may depend on how its
+            # threads share a tensor: these rules never cut them on the CPU.
             assert swapped.memory_stats()["split_params"] == 0
         elif name != "Adafactor":
             assert swapped.memory_stats()["split_params"] >= 1
+
+
+def cut_16_bit_results(names=("Adam", "AdamW")):
+    """For each optimizer whose declaration cuts 16-bit params on the CPU, and
+    each implementation, dtype and thread count: whether the cut run is
+    bitwise the plain one (run_pair asserts it; a mismatch is reported)."""
+    results = {}
+    threads = torch.get_num_threads()
+    try:
+        for name in names:
+            kwargs = dict(next(k for n, k in CASES if n == name))
+            for implementation in implementations(name):
+                for dtype in (torch.bfloat16, torch.float16):
+                    for count in (1, 2):
+                        torch.set_num_threads(count)
+                        key = f"{name}-{implementation}-{dtype}-{count}"
+                        try:
+                            _, swapped = run_pair(name, dict(kwargs, **implementation), steps=6, dtype=dtype,
+                                                  swap_times=8)
+                            results[key] = "cut" if swapped.memory_stats()["split_params"] >= 1 else "not cut"
+                        except AssertionError:
+                            results[key] = "differs"
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+def test_cut_16_bit_params_on_cpu_where_declared():
+    """Declaration.cuts_16_bit_on_cpu is set only where a cut is proven exact:
+    Adam/AdamW's bf16 and fp16 params cut into pieces on the CPU are bitwise
+    the plain optimizer's, for-loop, foreach and fused, on 1 and 2 threads
+    (the instruction sets: the test below)."""
+    declared = [cls.__name__ for d in so.rules.DECLARATIONS if d.cuts_16_bit_on_cpu for cls in d.classes]
+    assert declared == ["Adam", "AdamW"]
+    results = cut_16_bit_results(declared)
+    assert set(results.values()) == {"cut"}, results
+
+
+@pytest.mark.slow
+def test_cut_16_bit_params_on_every_cpu_instruction_set():
+    """The same on the baseline, AVX2 and AVX-512 builds of torch's CPU kernels."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {tests!r}); import torch, test_rules; "
+            "print(torch.backends.cpu.get_cpu_capability(), set(test_rules.cut_16_bit_results().values()))")
+    seen = {}
+    for capability in ["default", "avx2", "avx512"]:
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+        out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        used, verdict = out.stdout.strip().split(" ", 1)
+        seen[used] = verdict
+    assert len(seen) >= 2 and "DEFAULT" in seen, f"fewer than two instruction sets ran: {seen}"
+    assert set(seen.values()) == {"{'cut'}"}, seen
 
 
 def test_param_groups_scheduler_and_closure():
@@ -728,7 +787,7 @@ def test_foreach_left_to_torch_is_counted_as_torch_chooses_it_on_cuda():
     """foreach=None: torch runs most optimizers' foreach path on CUDA (three
     lists of the call's bytes), but Adafactor's for-loop (three of the largest
     param), on CUDA too; on the CPU every for-loop."""
-    from swap_optimizer.rules import declaration_for, estimated_temporaries
+    from swap_optimizer.rules.declarations import declaration_for, estimated_temporaries
 
     rows = [((100, 10), 4), ((50,), 4)]  # 4000 and 200 bytes
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

@@ -496,7 +496,8 @@ def test_states_from_the_host_store_are_not_held_to_the_params_device():
     """A vouched-for optimizer's own states must be on their param's device;
     the same states read back from the host store (a re-layout on CUDA) are
     not refused for being on the host. (A meta param stands in for CUDA.)"""
-    from swap_optimizer.rule_optimizer import ELEMENT, _learn_layout
+    from swap_optimizer.rules.declarations import ELEMENT
+    from swap_optimizer.rules.vouched_for import _learn_layout
 
     param = torch.empty(3, 4, device="meta")
     entry = {"exp_avg": torch.zeros(3, 4), "step": 1}

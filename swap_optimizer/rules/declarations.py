@@ -12,6 +12,7 @@ here, so the results are the wrapped optimizer's, bit for bit.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -54,7 +55,7 @@ class Declaration:
     elementwise: bool
     validate: Optional[Callable[[torch.optim.Optimizer], None]] = None
     # torch's fused path takes GradScaler's grad_scale and found_inf (fused
-    # SGD and Adagrad): unscale_in_step works when every group is fused.
+    # Adam, AdamW, SGD and Adagrad): unscale_in_step works when every group is fused.
     takes_grad_scale: bool = False
     # An estimate of the device bytes torch's update allocates beyond the
     # staged states for one call: (rows: (shape, element bytes) of the params
@@ -63,10 +64,20 @@ class Declaration:
     # What foreach=None runs: torch's default picks foreach on CUDA for most
     # optimizers (_default_to_fused_or_foreach); Adafactor keeps its for-loop.
     foreach_by_default_on_cuda: bool = True
+    # Whether a 16-bit param may be cut on the CPU. torch's CPU kernels may
+    # round a 16-bit element differently in their vectorised body and their
+    # scalar tail, and where tails fall depends on how the threads share a
+    # tensor, so a cut can change torch's own result (SGD's does). Set only
+    # where a test proves cut and whole bitwise alike for every implementation
+    # flag (tests/test_rules.py::test_cut_16_bit_params_on_cpu_where_declared).
+    cuts_16_bit_on_cpu: bool = False
+    # Which optimizers match beyond the classes themselves (subclasses that
+    # keep the class's step); None: the classes only.
+    also_matches: Optional[Callable[[torch.optim.Optimizer], bool]] = None
 
     def matches(self, optimizer: torch.optim.Optimizer) -> bool:
         # The class itself, not a subclass: a subclass may change the step.
-        return type(optimizer) in self.classes
+        return type(optimizer) in self.classes or (self.also_matches is not None and self.also_matches(optimizer))
 
 
 # Rows below: (shape, element bytes) of the params or pieces of one call.
@@ -119,6 +130,21 @@ def _scalars(*names: str) -> list[StateSpec]:
     return [StateSpec(name, SCALAR) for name in names]
 
 
+_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
+
+
+def keeps_adam_step(optimizer: torch.optim.Optimizer) -> bool:
+    """An Adam or AdamW, or a subclass that keeps their step (a framework's)."""
+    return isinstance(optimizer, torch.optim.Adam) and inspect.unwrap(type(optimizer).step) is _ADAM_STEP
+
+
+def _adam_states(param, group):
+    states = _scalars("step") + _elements("exp_avg", "exp_avg_sq")
+    if group["amsgrad"]:
+        states += _elements("max_exp_avg_sq")
+    return states
+
+
 def _sgd_states(param, group):
     return _elements("momentum_buffer") if group["momentum"] != 0 else []
 
@@ -162,6 +188,10 @@ def _validate_muon(optimizer):
 
 
 DECLARATIONS: list[Declaration] = [
+    # With default states Adam and AdamW run torch's own update (bitwise); compact
+    # states, master weights and Kahan summation run the packed kernel instead.
+    Declaration((torch.optim.Adam, torch.optim.AdamW), _adam_states, elementwise=True, takes_grad_scale=True,
+                cuts_16_bit_on_cpu=True, also_matches=keeps_adam_step),
     Declaration((torch.optim.SGD,), _sgd_states, elementwise=True, takes_grad_scale=True),
     Declaration((torch.optim.Adagrad,), lambda p, g: _scalars("step") + _elements("sum"), elementwise=True,
                 takes_grad_scale=True),
@@ -196,102 +226,3 @@ REFUSED = {
 
 def declaration_for(optimizer: torch.optim.Optimizer) -> Optional[Declaration]:
     return next((d for d in DECLARATIONS if d.matches(optimizer)), None)
-
-
-def _validate_trusted(optimizer):
-    name = type(optimizer).__name__
-    # Schedule-free optimizers swap their params and states in train() and
-    # eval(), outside step(), where the states are in host memory.
-    touching = [method for method in ("train", "eval") if callable(getattr(type(optimizer), method, None))]
-    if touching:
-        raise TypeError(f"SwapOptimizer cannot wrap {name}: its {' and '.join(m + '()' for m in touching)} "
-                        "read or write its states outside step() (as schedule-free optimizers do), and "
-                        "between steps SwapOptimizer keeps them in host memory; keep this optimizer's state "
-                        "on the device")
-
-
-def trusted_declaration(optimizer: torch.optim.Optimizer, elementwise: bool) -> Declaration:
-    """An optimizer SwapOptimizer has no declaration for, wrapped on the
-    user's word (trust_per_param_step): its states are learned per param,
-    and its params are cut only on the second word (trust_elementwise_step)."""
-    return Declaration((type(optimizer),), None, elementwise, _validate_trusted)
-
-
-def _torch_step(optimizer: torch.optim.Optimizer):
-    """The class's own step, without the per-instance and global step hooks
-    that torch wraps it in (those run once per SwapOptimizer.step())."""
-    step = type(optimizer).step
-    return step.__wrapped__ if getattr(step, "hooked", False) else step
-
-
-def _fingerprint(value) -> tuple:
-    """What shows an in-place change of an attribute: a tensor's version, a
-    container's members (by identity, tensors by version)."""
-    if torch.is_tensor(value):
-        return ("tensor", id(value), value._version)
-    if isinstance(value, (list, tuple)):
-        return ("sequence", tuple(_fingerprint(v) if torch.is_tensor(v) else id(v) for v in value))
-    if isinstance(value, dict):
-        return ("mapping", tuple((k, _fingerprint(v) if torch.is_tensor(v) else id(v)) for k, v in value.items()))
-    if isinstance(value, set):
-        return ("set", frozenset(id(v) for v in value))
-    return ("object", id(value))
-
-
-def foreign_state_keys(state: dict, param_ids: set) -> list[str]:
-    """The keys of an optimizer's `state` that are not among its params."""
-    return sorted(f"a tensor of shape {tuple(key.shape)}" if torch.is_tensor(key) else repr(key)
-                  for key in state if not torch.is_tensor(key) or id(key) not in param_ids)
-
-
-_DEVICE_ERRORS = tuple(error for error in (getattr(torch, "AcceleratorError", None),) if error is not None)
-
-
-def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state: dict,
-                     strict: bool = False, grad_scale: Optional[dict] = None) -> None:
-    """torch's own step of `optimizer`'s class over `groups` (param groups
-    holding the batch's params or pieces, with .grad set) and `state` (their
-    staged states): on a shallow copy of the optimizer, so the wrapped one's
-    groups and state stay as they are. grad_scale: GradScaler's grad_scale
-    and found_inf, which torch's fused step reads from the optimizer. strict:
-    an attribute the step sets on the optimizer (lost with the copy) raises,
-    naming it."""
-    stand_in = object.__new__(type(optimizer))
-    stand_in.__dict__.update(optimizer.__dict__, param_groups=groups, state=state, **(grad_scale or {}))
-    before = {key: _fingerprint(value) for key, value in optimizer.__dict__.items()} if strict else None
-    try:
-        _torch_step(optimizer)(stand_in)
-    except Exception as error:
-        # torch's own optimizers' errors are theirs to word; so are a lack of
-        # memory and a device's failure, whoever's step met them.
-        if not strict or isinstance(error, (torch.OutOfMemoryError, *_DEVICE_ERRORS)):
-            raise
-        raise RuntimeError(
-            f"SwapOptimizer: {type(optimizer).__name__}'s own step raised {type(error).__name__}: {error}, where "
-            "SwapOptimizer ran it on a part of the params (one param, or one batch) with the states it has kept for "
-            "them. An optimizer whose step needs more than its params' own states and its param groups (a value "
-            "set outside step(), a state under another key, the other params) cannot be wrapped, whatever "
-            "trust_per_param_step says: keep its state on the device") from error
-    if strict:
-        changed = sorted(key for key, value in optimizer.__dict__.items()
-                         if key not in ("param_groups", "state") and _fingerprint(value) != before[key])
-        if changed:
-            raise RuntimeError(f"SwapOptimizer: {type(optimizer).__name__}'s step changed the optimizer's "
-                               f"attribute(s) {changed} in place, outside its params' states and param groups; "
-                               "SwapOptimizer runs the step batch by batch and cannot keep such a value. This "
-                               "optimizer cannot be wrapped; keep its state on the device (the attribute has "
-                               "been changed)")
-        params = {id(p) for group in groups for p in group["params"]}
-        foreign = foreign_state_keys(state, params)
-        if foreign:
-            raise RuntimeError(f"SwapOptimizer: {type(optimizer).__name__}'s step keeps state under {foreign}, keys "
-                               "that are not params (a step counter shared by all params, say); SwapOptimizer runs "
-                               "the step batch by batch and cannot keep such a value. This optimizer cannot be "
-                               "wrapped; keep its state on the device")
-        written = sorted(key for key, value in stand_in.__dict__.items() if key not in ("param_groups", "state")
-                         and (key not in optimizer.__dict__ or optimizer.__dict__[key] is not value))
-        if written:
-            raise RuntimeError(f"SwapOptimizer: {type(optimizer).__name__}'s step wrote the optimizer's attribute(s) "
-                               f"{written}, outside its params' states and param groups; SwapOptimizer runs the "
-                               "step batch by batch and cannot keep such a value. This optimizer cannot be wrapped; "
-                               "keep its state on the device")

@@ -1,0 +1,791 @@
+"""The rule that runs torch's own update of the wrapped class on each batch's
+staged views: every optimizer swap_optimizer.rules.declarations declares
+(Adam/AdamW with default states included). Each row of a batch (a param, or a
+piece of a cut one) becomes a param of its group with the staged views as its
+state, so the results are the wrapped optimizer's, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from .. import _C
+from ..budget import Planning, copy_bytes
+from ..config import SwapOptimizerConfig
+from ..distributed import _is_dtensor, _like_param, _local, _local_part
+from ..params import check_distinct, check_overlap_params, check_params
+from ..step_guards import signals_after_the_step
+from .declarations import (DECLARATIONS, ELEMENT, SCALAR, WHOLE, Declaration, estimated_temporaries)
+
+
+
+def _torch_step(optimizer: torch.optim.Optimizer):
+    """The class's own step, without the per-instance and global step hooks
+    that torch wraps it in (those run once per SwapOptimizer.step())."""
+    step = type(optimizer).step
+    return step.__wrapped__ if getattr(step, "hooked", False) else step
+
+
+def _fingerprint(value) -> tuple:
+    """What shows an in-place change of an attribute: a tensor's version, a
+    container's members (by identity, tensors by version)."""
+    if torch.is_tensor(value):
+        return ("tensor", id(value), value._version)
+    if isinstance(value, (list, tuple)):
+        return ("sequence", tuple(_fingerprint(v) if torch.is_tensor(v) else id(v) for v in value))
+    if isinstance(value, dict):
+        return ("mapping", tuple((k, _fingerprint(v) if torch.is_tensor(v) else id(v)) for k, v in value.items()))
+    if isinstance(value, set):
+        return ("set", frozenset(id(v) for v in value))
+    return ("object", id(value))
+
+
+def foreign_state_keys(state: dict, param_ids: set) -> list[str]:
+    """The keys of an optimizer's `state` that are not among its params."""
+    return sorted(f"a tensor of shape {tuple(key.shape)}" if torch.is_tensor(key) else repr(key)
+                  for key in state if not torch.is_tensor(key) or id(key) not in param_ids)
+
+
+_DEVICE_ERRORS = tuple(error for error in (getattr(torch, "AcceleratorError", None),) if error is not None)
+
+
+def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state: dict,
+                     strict: bool = False, grad_scale: Optional[dict] = None) -> None:
+    """torch's own step of `optimizer`'s class over `groups` (param groups
+    holding the batch's params or pieces, with .grad set) and `state` (their
+    staged states): on a shallow copy of the optimizer, so the wrapped one's
+    groups and state stay as they are. grad_scale: GradScaler's grad_scale
+    and found_inf, which torch's fused step reads from the optimizer. strict:
+    an attribute the step sets on the optimizer (lost with the copy) raises,
+    naming it."""
+    stand_in = object.__new__(type(optimizer))
+    stand_in.__dict__.update(optimizer.__dict__, param_groups=groups, state=state, **(grad_scale or {}))
+    before = {key: _fingerprint(value) for key, value in optimizer.__dict__.items()} if strict else None
+    try:
+        _torch_step(optimizer)(stand_in)
+    except Exception as error:
+        # torch's own optimizers' errors are theirs to word; so are a lack of
+        # memory and a device's failure, whoever's step met them.
+        if not strict or isinstance(error, (torch.OutOfMemoryError, *_DEVICE_ERRORS)):
+            raise
+        raise RuntimeError(
+            f"SwapOptimizer: {type(optimizer).__name__}'s own step raised {type(error).__name__}: {error}, where "
+            "SwapOptimizer ran it on a part of the params (one param, or one batch) with the states it has kept for "
+            "them. An optimizer whose step needs more than its params' own states and its param groups (a value "
+            "set outside step(), a state under another key, the other params) cannot be wrapped, whatever "
+            "trust_per_param_step says: keep its state on the device") from error
+    if strict:
+        changed = sorted(key for key, value in optimizer.__dict__.items()
+                         if key not in ("param_groups", "state") and _fingerprint(value) != before[key])
+        if changed:
+            raise RuntimeError(f"SwapOptimizer: {type(optimizer).__name__}'s step changed the optimizer's "
+                               f"attribute(s) {changed} in place, outside its params' states and param groups; "
+                               "SwapOptimizer runs the step batch by batch and cannot keep such a value. This "
+                               "optimizer cannot be wrapped; keep its state on the device (the attribute has "
+                               "been changed)")
+        params = {id(p) for group in groups for p in group["params"]}
+        foreign = foreign_state_keys(state, params)
+        if foreign:
+            raise RuntimeError(f"SwapOptimizer: {type(optimizer).__name__}'s step keeps state under {foreign}, keys "
+                               "that are not params (a step counter shared by all params, say); SwapOptimizer runs "
+                               "the step batch by batch and cannot keep such a value. This optimizer cannot be "
+                               "wrapped; keep its state on the device")
+        written = sorted(key for key, value in stand_in.__dict__.items() if key not in ("param_groups", "state")
+                         and (key not in optimizer.__dict__ or optimizer.__dict__[key] is not value))
+        if written:
+            raise RuntimeError(f"SwapOptimizer: {type(optimizer).__name__}'s step wrote the optimizer's attribute(s) "
+                               f"{written}, outside its params' states and param groups; SwapOptimizer runs the "
+                               "step batch by batch and cannot keep such a value. This optimizer cannot be wrapped; "
+                               "keep its state on the device")
+
+
+def _refuse_settings(config: SwapOptimizerConfig, name: str) -> None:
+    adam_only = [field for field, off in (("state_dtype", config.state_dtype is None),
+                                          ("master_weights", not config.master_weights),
+                                          ("kahan_summation", not config.kahan_summation)) if not off]
+    if adam_only:
+        raise ValueError(f"SwapOptimizer: {', '.join(adam_only)} work(s) with Adam/AdamW only for now, not with "
+                         f"{name}; leave them at their defaults (GradScaler still works through its unscale_)")
+
+
+def _check_groups(optimizer: torch.optim.Optimizer, declaration: Declaration) -> None:
+    """What torch's update could not run exactly here, refused before anything moves."""
+    name = type(optimizer).__name__
+    for index, group in enumerate(optimizer.param_groups):
+        for flag in ("capturable", "differentiable"):
+            if group.get(flag):
+                raise ValueError(f"SwapOptimizer: param group {index} of {name} has {flag}=True, which SwapOptimizer "
+                                 f"does not support (it stages the state batch by batch); create the optimizer with "
+                                 f"{flag}=False")
+        if group.get("fused") and not all(p.is_contiguous() for p in group["params"]):
+            # torch makes a fused state with its param's strides and pairs
+            # elements by memory position; the store's views are contiguous.
+            raise ValueError(f"SwapOptimizer: param group {index} of {name} has fused=True and a non-contiguous "
+                             "param; use fused=False for that group, or make the param contiguous")
+    if declaration.validate is not None:
+        declaration.validate(optimizer)
+
+
+def _check_dtensor_params(params: list, declaration: Declaration, name: str) -> None:
+    """DTensor params (FSDP2): each rank updates its local shard, which is
+    the whole update only for an elementwise rule."""
+    if not any(_is_dtensor(p) for p in params):
+        return
+    if not declaration.elementwise:
+        raise ValueError(f"SwapOptimizer: {name} with DTensor params (FSDP2): SwapOptimizer updates each rank's "
+                         f"local shard, but {name}'s update needs the whole param (torch's own {name} gathers it "
+                         "through DTensor's collectives). Keep this optimizer's state on the device, or use an "
+                         "elementwise optimizer (AdamW, SGD, ...) for these params")
+
+
+_FUSED_TAKING_SCALE = ", ".join(cls.__name__ for d in DECLARATIONS if d.takes_grad_scale for cls in d.classes)
+
+
+def _unscales_in_step(optimizer: torch.optim.Optimizer, declaration: Declaration, setting: Optional[bool]) -> bool:
+    """Whether GradScaler hands step() its scale and inf flag: only torch's
+    fused updates (Adam, AdamW, SGD, Adagrad) take them, in every group. None follows the wrapped
+    optimizer (fused: yes), as torch's GradScaler does with the plain one."""
+    fused = declaration.takes_grad_scale and all(group.get("fused") for group in optimizer.param_groups)
+    if setting and not fused:
+        raise ValueError(f"SwapOptimizer: unscale_in_step=True, but {type(optimizer).__name__}'s update takes "
+                         f"GradScaler's scale and inf flag only in torch's fused {_FUSED_TAKING_SCALE}, with "
+                         "fused=True in every param group; use fused=True there, or leave unscale_in_step at None (GradScaler "
+                         "then unscales through its own unscale_)")
+    return fused if setting is None else setting
+
+
+def _copied(entry: dict) -> dict:
+    """A state entry whose tensors are copies (a new store, or a probe, starts from it)."""
+    return {key: value.clone() if torch.is_tensor(value) else value for key, value in entry.items()}
+
+
+def _keep_scalar(scalars: dict, name: str, new: Any) -> None:
+    """A param's scalar after an update: written into the kept tensor in place
+    where it can be (torch keeps its identity), else replaced."""
+    old = scalars.get(name)
+    if torch.is_tensor(old) and torch.is_tensor(new) and old.shape == new.shape and old.dtype == new.dtype and \
+            old.device == new.device:
+        old.copy_(new)
+    else:
+        scalars[name] = new
+
+
+class _Kept(NamedTuple):
+    """A state a param keeps: its name, kind, shape (whole states; element
+    states of a learned layout) and dtype (None: the param's)."""
+    name: str
+    kind: str
+    shape: Optional[tuple[int, ...]]
+    dtype: Optional[torch.dtype] = None
+
+
+def _fresh(value: Any) -> Any:
+    """A copy of a group value's tensors and containers (lists, tuples, dicts,
+    sets, as deep as they go; tensor betas, say): what a step's batches read
+    is the value at step(), whatever a call, a scheduler's in-place fill_ or
+    GradScaler does to the original meanwhile. Any other object is shared,
+    as a shallow copy of the group shares it: a module or a lock a group may
+    hold is neither copied nor refused."""
+    if torch.is_tensor(value):
+        with torch.no_grad():
+            return value.clone()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_fresh(item) for item in value))
+    if isinstance(value, (list, tuple, set)):
+        return type(value)(_fresh(item) for item in value)
+    if isinstance(value, dict):
+        copied = copy.copy(value)  # (its type and attributes, a defaultdict's factory)
+        for key, item in value.items():
+            copied[key] = _fresh(item)
+        return copied
+    return value
+
+
+@dataclass
+class _StepContext:
+    """Everything a step's batch updates read, captured at step(): the runtime
+    holds it (through _BatchRule) until the step is done, so a deferred step
+    completes with these values whatever happens meanwhile to the groups (a
+    scheduler writing a tensor lr in place), GradScaler's tensors, or the
+    SwapOptimizer itself (dropped before anything waited)."""
+
+    optimizer: torch.optim.Optimizer        # the wrapped one: its class's step, its attributes
+    plan: list[dict]                        # the runtime's batch plan
+    keys: list[str]                         # the store's state keys, in arena offset order
+    views: list[dict]                       # per param: its state views in the store (shapes, dtypes)
+    layouts: list[tuple]                    # per param: the states it keeps
+    scalars: list[dict]                     # per param: its scalars now (the last piece writes them)
+    scalars_before: list[dict]              # per param: copies of its scalars before the step
+    had_state: list[bool]                   # per param: whether it had stepped before
+    group_of: list[int]                     # per param: its group
+    step_groups: list[dict]                 # per group: copies of its values at step()
+    grad_scale: dict                        # GradScaler's grad_scale / found_inf, copies
+    learner: Optional[Any] = None           # a vouched-for optimizer's rule (never deferred)
+
+
+class _BatchRule:
+    """The update the runtime calls for each batch. It holds the current
+    step's context, never the SwapOptimizer: the optimizer holds the runtime,
+    so a reference back would keep both alive."""
+
+    def __init__(self) -> None:
+        self.step: Optional[_StepContext] = None
+
+    def __call__(self, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
+                 grads: list[Optional[torch.Tensor]]) -> None:
+        _update_batch(self.step, batch, arena, params, grads)
+
+
+def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
+                  grads: list[Optional[torch.Tensor]]) -> None:
+    """One batch of `step`, by torch's own step: each row (a param, or a piece
+    of a cut one) becomes a param of its group with the staged views as its
+    state; torch's call creates or replaces states at a param's first step,
+    which are then copied into the arena."""
+    plan = step.plan[batch]
+    groups: dict[int, list[torch.Tensor]] = {}
+    state: dict[torch.Tensor, dict] = {}
+    rows = []
+    for (index, offset, count), offsets, param, grad in zip(plan["pieces"], plan["arena_offsets"], params,
+                                                              grads):
+        if grad is None:
+            continue
+        whole = offset == 0 and count == param.numel()
+        if whole:
+            piece, piece_grad = param.detach(), grad
+        else:  # only contiguous params are cut
+            piece = param.detach().view(-1)[offset:offset + count]
+            piece_grad = grad.reshape(-1)[offset:offset + count]
+        piece.grad = piece_grad
+        views = {}
+        for key, arena_offset in zip(step.keys, offsets):
+            if arena_offset < 0:
+                continue
+            described = step.views[index][key]
+            shape = described.shape if whole else (count,)
+            numel = described.numel() if whole else count
+            nbytes = numel * described.element_size()
+            views[key] = arena[arena_offset:arena_offset + nbytes].view(described.dtype).view(shape)
+        entry = {}
+        if step.had_state[index]:
+            entry.update(views)
+            for name, value in step.scalars_before[index].items():
+                entry[name] = value.clone() if torch.is_tensor(value) else value
+        groups.setdefault(step.group_of[index], []).append(piece)
+        state[piece] = entry
+        rows.append((index, offset + count == param.numel(), piece, views))
+    if not rows:
+        return
+    learner = step.learner
+    if learner is not None:  # a vouched-for step may write its groups: each call gets copies, checked after
+        calls = [learner._call_group(g, pieces) for g, pieces in sorted(groups.items())]
+        run_torch_update(step.optimizer, [group for group, _ in calls], state, strict=True)
+        for g, (call_group, start) in zip(sorted(groups), calls):
+            learner._note_groups_after(g, call_group, start)
+    else:  # torch's own steps leave their groups as they are
+        run_torch_update(step.optimizer, [dict(step.step_groups[g], params=pieces)
+                                          for g, pieces in sorted(groups.items())], state,
+                         grad_scale=step.grad_scale)
+    name = type(step.optimizer).__name__
+    source = "it kept at its first update" if learner is not None else "its declaration says it keeps"
+    for index, last, piece, views in rows:
+        entry = state[piece]
+        kept = {spec.name for spec in step.layouts[index]}
+        # (a vouched-for param that kept nothing at its first update must keep nothing still)
+        if (step.had_state[index] or learner is not None) and set(entry) != kept:
+            raise RuntimeError(f"SwapOptimizer: {name}'s step left param {index} with states {sorted(entry)}, but "
+                               f"{source} {sorted(kept)}: SwapOptimizer keeps a param's states from its first "
+                               "update on, as torch.optim does. This optimizer cannot be wrapped; keep its state "
+                               "on the device")
+        for key, view in views.items():
+            value = entry.get(key)
+            if value is None:
+                raise RuntimeError(f"SwapOptimizer: {name}'s step kept no '{key}' for param {index}, which "
+                                   f"{source}")
+            if value is not view:  # created or replaced by torch's step: adopted into the store
+                view.copy_(value)
+        if last:  # the param's scalars after the step: in place, as torch keeps them (identity included)
+            for spec in step.layouts[index]:
+                if spec.kind == SCALAR:
+                    _keep_scalar(step.scalars[index], spec.name, entry[spec.name])
+
+
+class TorchUpdateRule:
+    """torch's own update of the wrapped class, run on each batch's staged
+    views (see the module docstring). It keeps the store's layout for the
+    declared states, the scalars torch keeps per param (step counts), and
+    which params show a state; SwapOptimizer hands itself (`opt`) to each
+    call, and the rule holds no reference to it."""
+
+    learning = False  # whether the states are learned per param (VouchedForRule)
+
+    def __init__(self, optimizer: torch.optim.Optimizer, declaration: Declaration) -> None:
+        self.optimizer = optimizer
+        self.declaration = declaration
+        self._views: Optional[list[dict]] = None
+        self._batch_rule: Optional[_BatchRule] = None
+
+    # ------------------------------------------------------- settings
+    def check_wrap(self, config: SwapOptimizerConfig) -> None:
+        """What this rule cannot run under `config`, refused (with the reason)
+        before anything is built."""
+        _refuse_settings(config, type(self.optimizer).__name__)
+        _check_groups(self.optimizer, self.declaration)
+
+    def check_params(self, params: list) -> None:
+        _check_dtensor_params(params, self.declaration, type(self.optimizer).__name__)
+
+    def unscales_in_step(self, setting: Optional[bool]) -> bool:
+        return _unscales_in_step(self.optimizer, self.declaration, setting)
+
+    def start(self, opt, existing: dict) -> None:
+        """Lays out the first store, filled from the wrapped optimizer's state."""
+        foreign = foreign_state_keys(self.optimizer.state, {id(p) for p in opt._params()})
+        if foreign:
+            raise ValueError(f"SwapOptimizer: {type(self.optimizer).__name__} keeps state under {foreign}, keys "
+                             "that are not its params (a step counter shared by all params, say); SwapOptimizer "
+                             "runs the step batch by batch and cannot keep such a value. This optimizer cannot be "
+                             "wrapped; keep its state on the device")
+        self._lay_out(opt, existing)
+
+    @property
+    def views(self) -> Optional[list[dict]]:
+        """Per param, its state views in the store (None while there is no store)."""
+        return self._views
+
+    def _layouts(self, opt, learned: Optional[dict] = None) -> list[tuple]:
+        """Per param in group order, the states its group's current settings
+        give it (_follow holds a param that has stepped to the ones it has);
+        for a trusted optimizer, those learned from its state (`learned`, else
+        the current ones)."""
+        layouts = []
+        for group in opt.param_groups:
+            for p in group["params"]:
+                layouts.append(tuple(_Kept(spec.name, spec.kind, tuple(spec.shape(p.shape)) if spec.kind == WHOLE
+                                           else None) for spec in self.declaration.states(p, group)))
+        return layouts
+
+    def _lay_out(self, opt, previous: dict, learned: Optional[dict] = None) -> None:
+        """Builds the store for the current params and their layouts, filled
+        from `previous` (param -> its state as torch.optim holds it); a trusted
+        optimizer's layouts are learned from `previous` unless given."""
+        params = opt._params()
+        if opt._overlap is not None:  # refused before anything is built: the old store stays whole
+            check_overlap_params(params)
+            opt._overlap.check_params(params)
+        learned = self._learned_from(params, previous, learned)
+        layouts = self._layouts(opt, learned)
+        keys: list[str] = []
+        for specs in layouts:
+            keys += [s.name for s in specs if s.kind != SCALAR and s.name not in keys]
+        locals_ = [_local(p) for p in params]  # a DTensor's shard on this rank: what the store holds
+        states, swappable, splittable = [], [], []
+        for p, specs in zip(locals_, layouts):
+            by_name = {s.name: s for s in specs}
+            row = []
+            for key in keys:
+                spec = by_name.get(key)
+                if spec is None:
+                    row.append((key, "absent", 0, p.dtype, []))
+                    continue
+                dtype = spec.dtype or p.dtype
+                if spec.kind == ELEMENT:
+                    row.append((key, "element", dtype.itemsize, dtype, list(p.shape)))
+                else:
+                    row.append((key, "whole", math.prod(spec.shape) * dtype.itemsize, dtype, list(spec.shape)))
+            states.append(row)
+            kept = any(s.kind != SCALAR for s in specs)
+            swappable.append(kept and p.numel() >= opt.config.min_numel and p.is_contiguous())
+            # A 16-bit param is cut on the CPU only where the rule's cut is proven
+            # exact (Declaration.cuts_16_bit_on_cpu).
+            cpu_16_bit = p.device.type == "cpu" and p.element_size() < 4 and not self.declaration.cuts_16_bit_on_cpu
+            splittable.append(self.declaration.elementwise and all(s.kind != WHOLE for s in specs) and not cpu_16_bit)
+        unknown = [k for k in (opt.config.state_keys or ()) if k not in keys]
+        # A trusted optimizer's names are known once every param has stepped.
+        if unknown and (not self.learning or len(learned) == len(params)):
+            raise ValueError(f"SwapOptimizerConfig.state_keys: {unknown} are not states of "
+                             f"{type(self.optimizer).__name__} here; its states are {keys}")
+        swap_keys = [opt.config.state_keys is None or key in opt.config.state_keys for key in keys]
+        # (the plan keeps lay_out, which holds this rule, never the SwapOptimizer)
+        def lay_out(swappable_now: list[bool], swap_times: int, num_arenas: int) -> dict:
+            summary = _C.plan_rule_staging(locals_, states, swappable_now, splittable, swap_keys,
+                                           swap_times=swap_times, num_arenas=num_arenas)
+            summary["update_temporary_bytes"] = self._temporaries_of(summary["plan"], states)
+            return summary
+
+        copies = copy_bytes(locals_, opt.__dict__.get("_unscale_in_step", False) or opt._overlap is not None)
+        planning = Planning.make(opt.config, opt._budget_now(), lay_out, swappable, copies, opt._device,
+                                 lambda: self._swap_times_for_budget(opt, locals_, states, swappable, splittable, swap_keys),
+                                 priority=opt._resident_priority())
+        rule = _BatchRule()
+        runtime = _C.SwapRuntime(locals_, states, planning.swappable, splittable, rule,
+                                 swap_times=planning.swap_times, num_arenas=planning.num_arenas,
+                                 pin_memory=opt.config.pin_memory, keep_arenas=opt.config.keep_arenas,
+                                 swap_keys=swap_keys, resident_groups=opt._resident_groups())
+        views = [runtime.state_views(i) for i in range(len(params))]
+        scalars: list[dict] = [{} for _ in params]
+        shown = [False] * len(params)
+        with torch.no_grad():
+            for i, (p, specs) in enumerate(zip(params, layouts)):
+                entry = previous.get(p)
+                if not entry:
+                    continue
+                self._check_entry(i, p, specs, entry)
+                for spec in specs:
+                    if spec.kind == SCALAR:
+                        value = entry[spec.name]
+                        scalars[i][spec.name] = value.clone() if torch.is_tensor(value) else value
+                    else:
+                        views[i][spec.name].copy_(_local_part(entry[spec.name], p))
+                shown[i] = True
+        runtime.order_writes()
+        if opt._overlap is not None:  # a new store: the next pass probes again
+            opt._overlap.lay_out(params)
+        opt._runtime = runtime
+        self._batch_rule = rule
+        if learned is not None:
+            self._learned = learned
+        self._keys = keys
+        self._swap_keys = swap_keys
+        self._state_rows = states
+        opt._planning = planning
+        self._moves_whole = [swap and not cut for swap, cut in zip(planning.swappable, splittable)]
+        self._layouts_now = layouts
+        self._views = views
+        # What `state` shows: DTensors over the store's views for DTensor params
+        # (made once: _sync_edits tells edits by identity).
+        self._shown_views = [{key: _like_param(view, p) for key, view in row.items()} for row, p in zip(views, params)]
+        self._scalars = scalars
+        self._shown = shown
+        self._plan = runtime.batch_plan()
+        opt._param_ids = [id(p) for p in params]
+        opt._group_sizes = [len(g["params"]) for g in opt.param_groups]
+        opt._data_pointers = [_local(p).data_ptr() for p in params]
+        self._refresh_state(opt, params)
+
+    def _swap_times_for_budget(self, opt, params: list, states: list, swappable: list, splittable: list,
+                               swap_keys: list) -> int:
+        """The smallest swap_times whose staging plus torch's update temporaries
+        (an estimate, see memory_stats) fit in staging_budget_bytes; refuses,
+        naming the smallest budget that works, when none does."""
+        budget, num_arenas = opt.config.staging_budget_bytes, opt.config.fixed_num_arenas
+
+        def need(swap_times: int) -> tuple[int, int, int]:
+            summary = _C.plan_rule_staging(params, states, swappable, splittable, swap_keys,
+                                           swap_times=swap_times, num_arenas=num_arenas)
+            staging, temporaries = summary["staging_bytes"], self._temporaries_of(summary["plan"], states)
+            return staging + temporaries, staging, summary["finest_swap_times"]
+
+        finest = need(1)[2]
+        for swap_times in range(1, min(num_arenas, finest) + 1):  # below num_arenas batches each adds an arena
+            if need(swap_times)[0] <= budget:
+                return swap_times
+        # From there on the largest batch shrinks as batches are added (up to a
+        # wobble near the finest split): bisect, then step back while one fits.
+        low, high = min(num_arenas, finest) + 1, finest
+        if low > high or need(high)[0] > budget:
+            window = range(max(1, finest - 8), finest + 1)
+            smallest, at = min((need(k)[0], k) for k in window)
+            if smallest <= budget:
+                return at
+            whole = max((math.prod(_local(p).shape) for p, row, cut in zip(opt._params(), states, splittable)
+                         if not cut and any(kind != "absent" for _, kind, *_ in row)), default=0)
+            raise ValueError(
+                f"SwapOptimizerConfig.staging_budget_bytes={budget} is too small for "
+                f"{type(self.optimizer).__name__}: the smallest budget that works is {smallest} bytes (its arenas "
+                f"and the estimate of torch's update temporaries at swap_times={at}"
+                + (f"; params its rule never cuts move whole, the largest of {whole} elements" if whole else "")
+                + "); raise the budget, or keep more params resident with a larger min_numel")
+        while low < high:
+            middle = (low + high) // 2
+            if need(middle)[0] <= budget:
+                high = middle
+            else:
+                low = middle + 1
+        while low > min(num_arenas, finest) + 1 and need(low - 1)[0] <= budget:
+            low -= 1
+        return low
+
+    def _check_entry(self, index: int, param: torch.Tensor, specs, entry: dict) -> None:
+        where = f"SwapOptimizer: the state of param {index} ({type(self.optimizer).__name__})"
+        missing = [s.name for s in specs if s.name not in entry]
+        extra = [k for k in entry if k not in {s.name for s in specs}]
+        if missing or extra:
+            raise ValueError(f"{where} has keys {sorted(entry)}, but under its group's settings it keeps "
+                             f"{[s.name for s in specs]}; a state saved with other settings (momentum, centered) "
+                             "loads into an optimizer created with those settings")
+        for spec in specs:
+            value = entry[spec.name]
+            if spec.kind == SCALAR:
+                continue
+            if not torch.is_tensor(value) or value.layout != torch.strided or value.is_meta:
+                raise ValueError(f"{where}: '{spec.name}' must be a dense tensor, got {type(value).__name__}")
+            shape = tuple(param.shape) if spec.kind == ELEMENT else spec.shape
+            if tuple(value.shape) != shape:
+                raise ValueError(f"{where}: '{spec.name}' has shape {tuple(value.shape)}, expected {shape}")
+
+    def _refresh_state(self, opt, params: list[torch.Tensor]) -> None:
+        """`state` as torch.optim shows it: for each param with a state, its
+        views in the store and its scalars."""
+        state = opt.__dict__["_state"]
+        state.clear()
+        for i, p in enumerate(params):
+            if self._shown[i]:
+                state[p] = self._entry(i)
+
+    def _entry(self, index: int) -> dict:
+        entry = {}
+        for spec in self._layouts_now[index]:
+            entry[spec.name] = self._scalars[index][spec.name] if spec.kind == SCALAR else \
+                self._shown_views[index][spec.name]
+        return entry
+
+    def _follow(self, opt) -> None:
+        """Lays the store out again when the params, or the states a param that
+        has not stepped yet would keep, changed since (param_groups edited, a
+        scheduler that turned momentum on before the first step). A param that
+        has stepped keeps its states, as torch's; a change of setting that
+        would need others is refused."""
+        params = opt._params()
+        layouts = self._layouts(opt)
+        same_params = [id(p) for p in params] == opt._param_ids and \
+            [len(g["params"]) for g in opt.param_groups] == opt._group_sizes
+        if same_params and layouts == self._layouts_now:
+            return
+        if same_params:
+            for i, (now, then) in enumerate(zip(layouts, self._layouts_now)):
+                if self._shown[i] and now != then:
+                    raise ValueError(
+                        f"SwapOptimizer: param {i} now would keep states {[s.name for s in now]} under its group's "
+                        f"settings, but it has stepped with {[s.name for s in then]}; torch.optim keeps a param's "
+                        "states from its first step too. Change such settings (momentum, centered) only before the "
+                        "first step, or load a state dict saved with the new settings")
+        check_params(params, opt._device)
+        check_distinct(params)
+        opt._refuse_if_torn("step")
+        self._lay_out(opt, self._kept_state(opt))
+
+    def _kept_state(self, opt) -> dict:
+        """Copies of the state of every param the store was laid out for that is
+        still in the groups (param -> entry), to fill a new store from."""
+        opt._synchronize()
+        by_id = {id(p): p for p in opt._params()}
+        return {by_id[pid]: _copied(self._entry(i)) for i, pid in enumerate(opt._param_ids)
+                if self._shown[i] and pid in by_id}
+
+    def step(self, opt) -> None:
+        """One step of every param with a grad (after SwapOptimizer.step's
+        common part: closure, waits, refusals)."""
+        _check_groups(self.optimizer, self.declaration)
+        amp = {name: value for name in ("grad_scale", "found_inf")
+               if (value := getattr(opt, name, None)) is not None}
+        not_fused = [g for g, group in enumerate(opt.param_groups) if not group.get("fused")]
+        if amp and (not self.declaration.takes_grad_scale or not_fused):
+            raise ValueError(f"SwapOptimizer: GradScaler handed step() its scale and inf flag (unscale_in_step), "
+                             f"but param group(s) {not_fused} of {type(self.optimizer).__name__} are not fused=True "
+                             f"(any more), and only torch's fused {_FUSED_TAKING_SCALE} take them: set fused=True there, or "
+                             "wrap with unscale_in_step=False")
+        self._follow(opt)
+        params = opt._params()
+        data_pointers = [_local(p).data_ptr() for p in params]
+        if data_pointers != opt._data_pointers:  # .data replaced since the last step
+            check_distinct(params)
+            opt._data_pointers = data_pointers
+        grads = [None if p.grad is None else _local(p.grad) for p in params]  # a DTensor's: this rank's shard
+        for i, grad in enumerate(grads):
+            if grad is not None and grad.is_sparse:
+                raise RuntimeError(f"SwapOptimizer: param {i} has a sparse gradient; "
+                                   f"{type(self.optimizer).__name__} runs on dense grads here (torch.optim.SparseAdam "
+                                   "is the optimizer for sparse ones)")
+        self._sync_edits(opt, params)
+        opt._settle_plan()
+        # What every batch call starts from: the groups as they are now, copied
+        # (a deferred step runs on after step() returns, while a scheduler may
+        # write a tensor lr in place).
+        self._step_groups = [{k: _fresh(v) for k, v in group.items() if k != "params"} for group in opt.param_groups]
+        self._group_of = [g for g, group in enumerate(opt.param_groups) for _ in group["params"]]
+        self._groups_after: dict[int, dict] = {}
+        # A vouched-for optimizer's params without state yet are updated whole,
+        # one at a time, to learn what they keep; the others go through the store.
+        first = [i for i, grad in enumerate(grads) if grad is not None and self.learning
+                 and (not self._shown[i] or id(params[i]) in self._not_updated) and id(params[i]) not in self._stateless]
+        # overlap_forward: the step may run beside the next forward once the
+        # probe has made a plan, unless a param steps for the first time (its
+        # states and scalars appear during the step) or the optimizer is a
+        # vouched-for one (its group writes are checked when the step is done).
+        deferred = opt._overlap is not None and opt._overlap.may_defer() and not self.learning and all(
+            self._shown[i] or not self._layouts_now[i] for i, grad in enumerate(grads) if grad is not None)
+        with signals_after_the_step():  # raised once the step and its bookkeeping are done
+            opt._stepping = True
+            try:
+                if self.learning:
+                    self._probe_contract(opt, params, grads, [i for i, grad in enumerate(grads) if grad is not None])
+                if first:
+                    self._learn_first_updates(opt, params, grads, first)
+                # The step's context, held by the runtime's rule until the step is done
+                # (after the first updates: they may lay the store out again).
+                self._batch_rule.step = _StepContext(
+                    optimizer=self.optimizer, plan=self._plan, keys=self._keys, views=self._views,
+                    layouts=self._layouts_now, scalars=self._scalars,
+                    # the kept tensors are the last piece's to write
+                    scalars_before=[{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                                    for s in self._scalars],
+                    had_state=list(self._shown), group_of=self._group_of, step_groups=self._step_groups,
+                    grad_scale={name: _fresh(value) for name, value in amp.items()},
+                    learner=self if self.learning else None)
+                streamed = [None if i in first else grad for i, grad in enumerate(grads)]
+                if opt._overlap is not None:
+                    opt._overlap.before_step(deferred)
+                opt._runtime.step([_local(p) for p in params], streamed, [], None, None, deferred=deferred)
+                if opt._overlap is not None:
+                    opt._overlap.after_step(deferred, opt._runtime, streamed)
+                for g, writes in self._groups_after.items():  # the same from every call: the group's new values
+                    # (a tensor copied again here: one made in a call is an inference tensor)
+                    opt.param_groups[g].update({k: v.clone() if torch.is_tensor(v) else v for k, v in writes.items()})
+            finally:
+                opt._stepping = False
+                if opt._overlap is not None:
+                    opt._overlap.enqueuing = False  # its pass has begun, or step() raised
+                if self.learning:  # never deferred: done, and the context must not keep this optimizer alive
+                    self._batch_rule.step = None
+            state = opt.__dict__["_state"]
+            for i, grad in enumerate(grads):
+                if grad is not None and self._layouts_now[i]:  # SGD without momentum keeps no state, as in torch
+                    self._shown[i] = True
+                    state[params[i]] = self._entry(i)  # a first step's scalars are new objects
+
+    def _sync_edits(self, opt, params: list[torch.Tensor]) -> None:
+        """Loads into the store what was written into `state` since the last
+        step: an entry replaced or removed (torch starts a removed one anew)."""
+        state = opt.__dict__["_state"]
+        changed = []
+        for i, p in enumerate(params):
+            entry = state.get(p)
+            if not entry and not self._shown[i]:
+                continue
+            ours = self._entry(i) if self._shown[i] else {}
+            if entry is not None and len(entry) == len(ours) and all(entry.get(k) is v for k, v in ours.items()):
+                continue
+            changed.append(i)
+        if not changed:
+            return
+        opt._synchronize()
+        self._lay_out(opt, {p: _copied(state[p]) for p in params if state.get(p)})
+
+    def state_dict_extras(self, opt, state_dict: dict[str, Any]) -> None:
+        """Nothing: the wrapped optimizer's own format, scalars as torch keeps them."""
+
+    def load_state_dict(self, opt, state_dict: dict[str, Any]) -> None:
+        """As torch.optim's (torch's own load casts the values, so a resume is
+        that of the plain optimizer), then into the store."""
+        inner = self.optimizer
+        opt._synchronize()
+        saved_state, saved_groups = inner.state, inner.param_groups
+        try:
+            torch.optim.Optimizer.load_state_dict(inner, state_dict)  # torch's checks and casts; new groups
+            loaded = {p: dict(entry) for p, entry in inner.state.items() if entry}
+            inner.state = saved_state
+            _check_groups(inner, self.declaration)
+            self._lay_out(opt, loaded)  # a new store (no torn params), or an error before anything is replaced
+            self._loaded(loaded)
+        except BaseException:
+            inner.state, inner.param_groups = saved_state, saved_groups
+            raise
+
+    def add_param_group(self, opt, param_group: dict) -> None:
+        previous = self._kept_state(opt)
+        self.optimizer.add_param_group(param_group)  # validates, and makes eager states (Adagrad's sum)
+        state = opt.__dict__["_state"]  # the wrapped optimizer's too: its eager states land here
+        added = opt.param_groups[-1]["params"]
+        previous.update({p: dict(state[p]) for p in added if state.get(p)})
+        try:
+            _check_groups(self.optimizer, self.declaration)
+            check_params(opt._params(), opt._device)
+            check_distinct(opt._params())
+            self.check_params(opt._params())
+            self._lay_out(opt, previous)
+            self._added(added, state)
+        except BaseException:
+            opt.param_groups.pop()
+            for p in added:
+                state.pop(p, None)
+            raise
+
+    def _learned_from(self, params: list, previous: dict, learned: Optional[dict]) -> Optional[dict]:
+        """A vouched-for optimizer's layouts, learned from `previous` unless
+        given; declared ones have none."""
+        return learned
+
+    def _loaded(self, loaded: dict) -> None:
+        """After load_state_dict laid out the loaded states (a vouched-for
+        optimizer learns again)."""
+
+    def _added(self, added: list, state: dict) -> None:
+        """After add_param_group laid out the added params."""
+
+    def memory_stats(self, opt) -> dict[str, Any]:
+        """The state keys that go to host memory;
+        host_state_bytes 0 means nothing is swapped (an optimizer that keeps no
+        state for its params, such as SGD without momentum). Also
+        update_temporary_bytes: an estimate of what torch's update allocates
+        on the device beyond the staged states, for the largest batch; and
+        largest_whole_param_state_bytes: the swapped states of the largest
+        param the rule never cuts (Muon, Adafactor, a whole state), which
+        every arena holds at least."""
+        stats = {"swapped_state_keys": [k for k, swapped in zip(self._keys, self._swap_keys) if swapped],
+                 "update_temporary_bytes": self._temporaries_of(self._plan, self._state_rows)}
+        params = opt._params()
+        stats["largest_whole_param_state_bytes"] = max(
+            (sum(unit * _local(params[i]).numel() if kind == "element" else unit
+                 for (_, kind, unit, _, _), swapped in zip(rows, self._swap_keys) if swapped)
+             for i, rows in enumerate(self._state_rows) if self._moves_whole[i]), default=0)
+        return stats
+
+    # ------------------------------------------------ moves of the store
+    def bookkeeping(self) -> dict:
+        """What a store's layout does not hold: which params show a state, and their scalars."""
+        return dict(shown=list(self._shown), scalars=self._scalars)
+
+    def restore_bookkeeping(self, opt, kept: dict) -> None:
+        self._shown, self._scalars = kept["shown"], kept["scalars"]
+        self._refresh_state(opt, opt._params())
+
+    def release(self) -> None:
+        """Drops every view of the store."""
+        self._views = self._shown_views = None
+
+    def lay_out_empty(self, opt) -> None:
+        self._lay_out(opt, {}, learned=self._learned_from([], {}, None))
+
+    def _temporaries_of(self, plan: list[dict], states: list) -> int:
+        """An estimate of the device memory torch's update allocates beyond
+        the staged states, for the largest call over `plan` (one per group,
+        run one after another: foreach intermediates, Newton-Schulz products,
+        ..., see Declaration.temporaries), whose params keep the states
+        `states` (per param, the store's (key, kind, unit bytes, dtype, shape)
+        rows), counting their creation at a first step. It comes on top of
+        staging_bytes."""
+        groups = self.optimizer.param_groups
+        params = [p for group in groups for p in group["params"]]
+        group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
+        largest = 0
+        for batch in plan:
+            rows_by_group: dict[int, list] = {}
+            new_state_bytes: dict[int, int] = {}
+            for index, offset, count in batch["pieces"]:
+                local = _local(params[index])
+                whole = count == local.numel()
+                g = group_of[index]
+                rows_by_group.setdefault(g, []).append((tuple(local.shape) if whole else (count,),
+                                                        local.element_size()))
+                new_state_bytes[g] = new_state_bytes.get(g, 0) + sum(
+                    unit * count if kind == "element" else unit if whole else 0
+                    for _, kind, unit, _, _ in states[index])
+            for g, rows in rows_by_group.items():
+                largest = max(largest, estimated_temporaries(self.declaration, rows, groups[g],
+                                                             _local(params[0]).device, new_state_bytes[g]))
+        return largest

@@ -1,0 +1,368 @@
+"""The rule for an optimizer the user vouches for (trust_per_param_step):
+torch's update as for a declared optimizer, with the states each param keeps
+learned from its first update, and the contract probed before it."""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+from typing import Any, Optional
+
+import torch
+
+from ..distributed import _is_dtensor
+from .declarations import ELEMENT, SCALAR, WHOLE, Declaration
+from .torch_update import TorchUpdateRule, _copied, _fresh, _keep_scalar, _Kept, run_torch_update
+
+
+
+def _validate_trusted(optimizer):
+    name = type(optimizer).__name__
+    # Schedule-free optimizers swap their params and states in train() and
+    # eval(), outside step(), where the states are in host memory.
+    touching = [method for method in ("train", "eval") if callable(getattr(type(optimizer), method, None))]
+    if touching:
+        raise TypeError(f"SwapOptimizer cannot wrap {name}: its {' and '.join(m + '()' for m in touching)} "
+                        "read or write its states outside step() (as schedule-free optimizers do), and "
+                        "between steps SwapOptimizer keeps them in host memory; keep this optimizer's state "
+                        "on the device")
+
+
+def trusted_declaration(optimizer: torch.optim.Optimizer, elementwise: bool) -> Declaration:
+    """An optimizer SwapOptimizer has no declaration for, wrapped on the
+    user's word (trust_per_param_step): its states are learned per param,
+    and its params are cut only on the second word (trust_elementwise_step)."""
+    return Declaration((type(optimizer),), None, elementwise, _validate_trusted)
+
+
+def _learn_layout(index: int, param: torch.Tensor, entry: dict, name: str,
+                  check_device: bool = False) -> tuple[_Kept, ...]:
+    """The states of a trusted optimizer's param, read from what it keeps:
+    param-shaped tensors are element states, other tensors whole ones, 0-dim
+    tensors and numbers scalars (kept where they are). check_device: the
+    entry comes from the optimizer itself (not from the host store), so its
+    tensors must be on the param's device."""
+    kept = []
+    for key, value in entry.items():
+        where = f"SwapOptimizer: state '{key}' of param {index} ({name})"
+        if value is None or isinstance(value, numbers.Number):  # None: timm's SGDW without momentum
+            kept.append(_Kept(key, SCALAR, None))
+            continue
+        if not torch.is_tensor(value):
+            raise TypeError(f"{where} is a {type(value).__name__}; a trusted optimizer's states must be plain "
+                            "tensors, numbers or None. Keep this optimizer's state on the device")
+        if type(value) is not torch.Tensor or value.layout != torch.strided:
+            raise TypeError(f"{where} is a {type(value).__name__} with layout {value.layout}, not a plain strided "
+                            "tensor (a tensor subclass, such as torchao's 8-bit states, keeps its own storage that "
+                            "SwapOptimizer cannot stream). Use the optimizer's plain states, or keep its state on "
+                            "the device")
+        if value.dim() == 0:
+            kept.append(_Kept(key, SCALAR, None))
+        elif check_device and value.device != param.device:
+            raise TypeError(f"{where} is on {value.device}, its param on {param.device}; SwapOptimizer streams "
+                            "states kept on their param's device. Keep this optimizer's state as it is")
+        else:
+            kept.append(_Kept(key, ELEMENT if value.shape == param.shape else WHOLE, tuple(value.shape),
+                              value.dtype))
+    return tuple(kept)
+
+
+def _same_state(a: dict, b: dict, flatten: bool = False) -> bool:
+    """Whether two state entries hold the same values (flatten: compare
+    tensors element by element, whatever their shapes)."""
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if flatten and torch.is_tensor(x) and torch.is_tensor(y):
+            x, y = x.reshape(-1), y.reshape(-1)
+        if not _same_value(x, y):
+            return False
+    return True
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal values, NaN equal to NaN (a tensor comparison waits for it)."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        if not (torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and a.dtype == b.dtype):
+            return False
+        a, b = a.detach(), b.detach().to(a.device)
+        return bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b).all())
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, (list, tuple)) and type(a) is type(b):  # element by element: they may hold tensors
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and type(a) is type(b):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001  (values that cannot be compared are not the same)
+        return False
+
+
+class VouchedForRule(TorchUpdateRule):
+    """torch's update of an optimizer wrapped on the user's word: each param's
+    states are learned from what its first update (whole, on its own) keeps,
+    and the contract is probed on copies first (see _probe_contract)."""
+
+    learning = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer, declaration: Declaration) -> None:
+        super().__init__(optimizer, declaration)
+        self._learned: dict = {}
+        self._probed: set = set()  # (group, dimensionality) whose contract was probed
+        self._stateless: set = set()  # ids of params whose first update kept no state
+        # Params with state that no update of ours made (made in the optimizer's
+        # __init__, loaded, or eager in add_param_group): their next update
+        # runs whole, from that state, to learn all they keep.
+        self._not_updated: set = set()
+
+    def check_params(self, params: list) -> None:
+        if any(_is_dtensor(p) for p in params):
+            raise ValueError(f"SwapOptimizer: {type(self.optimizer).__name__} (wrapped on trust_per_param_step) "
+                             "with DTensor params (FSDP2) is not supported yet; keep this optimizer's state on the "
+                             "device")
+
+    def start(self, opt, existing: dict) -> None:
+        """The states the optimizer made already (in its __init__) must be on
+        their params' devices; their params' next updates learn the rest."""
+        index_of = {id(p): i for i, p in enumerate(opt._params())}
+        for p, entry in existing.items():
+            _learn_layout(index_of[id(p)], p, entry, type(self.optimizer).__name__, check_device=True)
+        self._not_updated = {id(p) for p in existing}
+        super().start(opt, existing)
+
+    def _layouts(self, opt, learned: Optional[dict] = None) -> list[tuple]:
+        """Per param, the states learned from its state (`learned`, else the current ones)."""
+        learned = self._learned if learned is None else learned
+        return [learned.get(p, ()) for p in opt._params()]
+
+    def _learned_from(self, params: list, previous: dict, learned: Optional[dict]) -> Optional[dict]:
+        if learned is not None:
+            return learned
+        if not params:  # an empty store for the current params: their layouts as learned
+            return self._learned
+        name = type(self.optimizer).__name__
+        return {p: _learn_layout(i, p, previous[p], name) for i, p in enumerate(params) if previous.get(p)}
+
+    def _loaded(self, loaded: dict) -> None:
+        self._probed.clear()  # new settings: the contract is checked again
+        self._not_updated = {id(p) for p in loaded}
+        self._stateless.difference_update(id(p) for p in loaded)  # a loaded state is learned again
+
+    def _added(self, added: list, state: dict) -> None:
+        self._not_updated |= {id(p) for p in added if state.get(p)}
+
+    def _learn_first_updates(self, opt, params: list[torch.Tensor], grads: list, first: list[int]) -> None:
+        """A trusted optimizer's first update of each param in `first`, whole
+        and on its own, on the device: the states it makes tell the param's
+        layout, and the store is laid out again with them. If anything fails
+        (a call breaks the contract, a state cannot be streamed, state_keys
+        names a state it does not keep), the params updated so far get their
+        values back before the error: nothing changed."""
+        name = type(self.optimizer).__name__
+        backups, updated, layouts, stateless = [], {}, {}, []
+        had_state = any(self._shown[i] for i in first)
+        if had_state:
+            opt._synchronize()  # the host store holds the last step's copies
+        try:
+            for i in first:
+                param = params[i]
+                start_state = self._start_state(i, param)  # before the param changes
+                backups.append((param, param.detach().to("cpu", copy=True)))
+                piece = param.detach()
+                piece.grad = grads[i].clone()  # the call may change it in place; a refusal must not
+                state = {piece: start_state}
+                call_group, start = self._call_group(self._group_of[i], [piece])
+                run_torch_update(self.optimizer, [call_group], state, strict=True)
+                self._note_groups_after(self._group_of[i], call_group, start)
+                updated[i] = state[piece]
+                layouts[i] = _learn_layout(i, param, updated[i], name, check_device=True)  # refuses the unstreamable
+                if not updated[i]:
+                    stateless.append(id(param))
+            if all(self._shown[i] and updated[i] and layouts[i] == self._layouts_now[i] for i in first):
+                self._write_entries(opt, updated)  # a resume: the states the store holds already, new values
+            elif had_state or any(updated.values()):
+                entries = {params[i]: {key: value.to("cpu", copy=True) if torch.is_tensor(value) and value.dim() > 0
+                                       else value for key, value in entry.items()} for i, entry in updated.items()}
+                self._lay_out(opt, {**self._kept_state(opt), **entries})
+        except BaseException:
+            for param, backup in backups:
+                param.detach().copy_(backup)
+            raise
+        self._stateless.update(stateless)
+        self._not_updated -= {id(params[i]) for i in first}
+
+    def _write_entries(self, opt, updated: dict) -> None:
+        """Writes the states of params whose layout did not change (index ->
+        its state after a whole update) into the store: views copied, scalars
+        in place where they can be (torch keeps their identity)."""
+        for i, entry in updated.items():
+            for spec in self._layouts_now[i]:
+                if spec.kind == SCALAR:
+                    _keep_scalar(self._scalars[i], spec.name, entry[spec.name])
+                else:
+                    self._views[i][spec.name].copy_(entry[spec.name])
+        opt._runtime.order_writes()  # resident states written on this stream
+        self._refresh_state(opt, opt._params())
+
+    def _start_state(self, index: int, param: torch.Tensor) -> dict:
+        """Copies, on the param's device, of the state param `index` has now
+        (none before its first update, unless the optimizer made some in its
+        __init__ or it was loaded): what a whole update of it starts from.
+        The caller has synchronized: the host store holds the last step's."""
+        if not self._shown[index]:
+            return {}
+        return {key: (value.to(param.device, copy=True) if value.dim() > 0 else value.clone())
+                if torch.is_tensor(value) else copy.deepcopy(value) for key, value in self._entry(index).items()}
+
+    def _probe_contract(self, opt, params: list[torch.Tensor], grads: list, candidates: list[int]) -> None:
+        """What can be checked of the user's word before a trusted optimizer's
+        first update, on copies of the smallest new param of each group and
+        dimensionality, over two updates (a first one is often scale-free, as
+        Adam's is): that they are the same beside another param in the call
+        (no global norm, as LAMB's clipping; no estimate over the params, as
+        Prodigy's d) and, with trust_elementwise_step, the same when the param
+        is cut in two. Once per (group, dimensionality) after the optimizer was
+        wrapped or loaded, whether the params have state or not; the caller's
+        random number streams are left as they were. A check, not a proof
+        (docs/usage.md)."""
+        name = type(self.optimizer).__name__
+        smallest: dict[tuple, int] = {}
+        for i in candidates:
+            key = (self._group_of[i], params[i].dim())
+            if key not in self._probed and (key not in smallest or params[i].numel() < params[smallest[key]].numel()):
+                smallest[key] = i
+        # The probe's random draws leave the user's streams as they were.
+        devices = sorted({params[i].device.index or 0 for i in smallest.values()
+                          if params[i].device.type == "cuda"})
+        if any(self._shown[i] for i in smallest.values()):
+            opt._synchronize()  # the host store holds the last step's copies (_start_state reads them)
+        with torch.random.fork_rng(devices=devices):
+            for key, i in smallest.items():
+                value, grad = params[i].detach(), grads[i]
+                start = self._start_state(i, params[i])
+                # A second grad that is no multiple of the first.
+                grads_by_step = [grad, grad.reshape(-1).roll(1).reshape(grad.shape) * 2]
+                alone, = self._probe_updates(key[0], [value], [[g] for g in grads_by_step], [start])
+                layout = _learn_layout(i, params[i], alone[1], name, check_device=True)  # refuses the unstreamable
+                # The companion comes first: an update that depends on what came
+                # before it in the call (a running norm, a value carried from one
+                # param to the next) shows too.
+                _, beside = self._probe_updates(key[0], [value * 3 + 1, value],
+                                                [[g * 1000 + 1, g] for g in grads_by_step], [start, start])
+                if not (torch.equal(alone[0], beside[0]) and _same_state(alone[1], beside[1])):
+                    raise RuntimeError(
+                        f"SwapOptimizer: {name}'s update of param {i} changes when another param is in the same call: "
+                        "its step combines params (a global norm, as LAMB's clipping, an estimate over all params, "
+                        "as Prodigy's d, a value carried from one param to the next, or random numbers drawn in "
+                        "turn), so it cannot run batch by batch, whatever trust_per_param_step says. Keep this "
+                        "optimizer's state on the device (or turn off what combines the params, such as a "
+                        "max_grad_norm of the optimizer's own)")
+                if self.declaration.elementwise and value.numel() >= 2 and value.is_contiguous() \
+                        and all(s.kind == ELEMENT for s in layout if s.kind != SCALAR):
+                    self._probe_cut(key[0], i, value, grads_by_step, alone, start)
+                self._probed.add(key)
+
+    def _probe_cut(self, g: int, index: int, value: torch.Tensor, grads_by_step: list, alone: tuple,
+                   start: dict) -> None:
+        """trust_elementwise_step's check: the updates of `value` cut in two
+        halves, as two params of one call, are its updates whole (`alone`),
+        each half starting from its half of the param's state `start`."""
+        half = value.numel() // 2
+        flat = value.reshape(-1)
+
+        def halves_of(state: dict) -> list[dict]:
+            cut = [{}, {}]
+            for key, item in state.items():
+                whole = torch.is_tensor(item) and item.shape == value.shape and item.dim() > 0
+                cut[0][key] = item.reshape(-1)[:half] if whole else item
+                cut[1][key] = item.reshape(-1)[half:] if whole else item
+            return cut
+
+        try:
+            (first_value, first_state), (second_value, second_state) = self._probe_updates(
+                g, [flat[:half], flat[half:]], [[grad.reshape(-1)[:half], grad.reshape(-1)[half:]]
+                                                for grad in grads_by_step], halves_of(start))
+            arrays = [k for k, v in second_state.items() if torch.is_tensor(v) and v.dim() > 0]
+            joined = dict(second_state, **{k: torch.cat([first_state[k].reshape(-1), second_state[k].reshape(-1)])
+                                          for k in arrays})
+            cut_alike = torch.equal(torch.cat([first_value, second_value]), alone[0].reshape(-1)) \
+                and _same_state({k: v for k, v in first_state.items() if k not in arrays},
+                                {k: v for k, v in second_state.items() if k not in arrays}) \
+                and _same_state(joined, alone[1], flatten=True)
+            failure = ""
+        except Exception as error:  # noqa: BLE001  (a piece the update cannot take: the answer is no)
+            cut_alike, failure = False, f" ({type(error).__name__}: {error})"
+        if not cut_alike:
+            name = type(self.optimizer).__name__
+            raise RuntimeError(
+                f"SwapOptimizer: trust_elementwise_step=True, but {name}'s update of param {index} cut in two "
+                f"differs from its update whole{failure}: it reads the whole param (a per-param norm, as LAMB's "
+                "trust ratio, or a matrix operation, as Muon's). Drop trust_elementwise_step; its params then move "
+                "whole")
+
+    def _probe_updates(self, g: int, values: list[torch.Tensor], grads_by_step: list[list[torch.Tensor]],
+                       starts: list[dict]) -> list:
+        """The trusted optimizer's updates of copies of `values`, params of one
+        call with group `g`'s settings, each starting from a copy of its state
+        in `starts` (empty before a first update), one update per entry of
+        grads_by_step (their grads): each copy after them, and its state."""
+        pieces = [value.clone() for value in values]
+        state = {piece: _copied(start) for piece, start in zip(pieces, starts)}
+        group, _ = self._call_group(g, pieces)  # what one update writes, the next reads
+        for number, step_grads in enumerate(grads_by_step):
+            for piece, grad in zip(pieces, step_grads):
+                piece.grad = grad.clone()
+            run_torch_update(self.optimizer, [group], state, strict=True)
+            keys = [sorted(state[piece]) for piece in pieces]
+            if number == 0:
+                first_keys = keys
+            elif keys != first_keys:
+                raise RuntimeError(f"SwapOptimizer: {type(self.optimizer).__name__}'s states change after a param's "
+                                   f"first update ({first_keys[0]}, then {keys[0]}); SwapOptimizer keeps the states a "
+                                   "param has after its first update, as torch.optim does. This optimizer cannot be "
+                                   "wrapped; keep its state on the device")
+        return [(piece, state[piece]) for piece in pieces]
+
+    def _call_group(self, g: int, params: list) -> tuple[dict, dict]:
+        """A call's copy of param group `g` as it was before the step, holding
+        `params`, and what it started from (key -> value)."""
+        group = {key: _fresh(value) for key, value in self._step_groups[g].items()}
+        start = dict(group)
+        group["params"] = params
+        return group, start
+
+    def _note_groups_after(self, g: int, call_group: dict, start: dict) -> None:
+        """What a call wrote into its copy of param group `g` (a value set,
+        or a tensor or container changed in place): every call must write the
+        same (a group step counter, as timm's Adan keeps); a value that differs
+        between calls was computed over the params of the call. (A tensor
+        written there is compared on the host: a wait per call.)"""
+        written = {}
+        for key, value in call_group.items():
+            if key == "params":
+                continue
+            # A tensor or container the call got as a copy may have changed in
+            # place: compared by value with the group's (the runtime's calls run
+            # in inference mode, where a copy's version counter says nothing).
+            if key not in start or value is not start[key] or (
+                    (torch.is_tensor(value) or isinstance(value, (list, tuple, dict, set)))
+                    and not _same_value(value, self._step_groups[g][key])):
+                written[key] = value
+        removed = sorted(set(start) - set(call_group))
+        if removed:
+            raise RuntimeError(f"SwapOptimizer: {type(self.optimizer).__name__}'s step removed {removed} from param "
+                               f"group {g}; SwapOptimizer runs the step batch by batch and cannot follow that. This "
+                               "optimizer cannot be wrapped; keep its state on the device")
+        first = self._groups_after.setdefault(g, written)  # the first call's writes: every other must match
+        for key in first.keys() | written.keys():
+            unwritten = self._step_groups[g].get(key, "(no value)")  # what a call that did not write it leaves
+            a, b = first.get(key, unwritten), written.get(key, unwritten)
+            if a is not b and not _same_value(a, b):
+                raise RuntimeError(
+                    f"SwapOptimizer: {type(self.optimizer).__name__}'s step wrote param group {g}'s '{key}' as "
+                    f"{a!r} in one call and {b!r} in another: the value is computed over the params of the call "
+                    "(as Prodigy's d is), so the step combines params and cannot run batch by batch. This "
+                    "optimizer cannot be wrapped; keep its state on the device")
