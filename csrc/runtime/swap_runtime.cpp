@@ -443,11 +443,8 @@ void SwapRuntime::set_up() {
     for (int64_t k = 0; k < count; ++k) {
       const PieceRow& piece = batch.rows[k];
       int64_t* row = rows + k * kLayoutColumns;
-      const int64_t columns[kAdamKeyCount] = {kExpAvgOffset,       kExpAvgSqOffset,       kMaxExpAvgSqOffset,
-                                               kMasterOffset,       kExpAvgAbsmaxOffset,   kExpAvgSqAbsmaxOffset,
-                                               kMaxExpAvgSqAbsmaxOffset, kCompensationOffset};
       for (int key = 0; key < kAdamKeyCount; ++key) {
-        row[columns[key]] = piece.arena_offset[key] == kNoOffset ? kAbsent : piece.arena_offset[key];
+        row[kAdamKeyColumn[key]] = piece.arena_offset[key] == kNoOffset ? kAbsent : piece.arena_offset[key];
       }
       row[kNumel] = piece.count;
       row[kParamOffset] = piece.element_offset;
