@@ -1,7 +1,5 @@
 #include "adam_slots.h"
 
-#include "swap_runtime.h"
-
 #include <c10/util/Exception.h>
 
 namespace swap_optimizer::runtime {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "../kernels/adam_vocabulary.h"
+#include "runtime_options.h"
 #include "store_plan.h"
 
 #include <ATen/core/Tensor.h>
@@ -15,8 +16,6 @@
 #include <vector>
 
 namespace swap_optimizer::runtime {
-
-struct RuntimeOptions;
 
 // One float32 step count per param, as torch.optim keeps.
 constexpr int64_t kAdamStepBytes = 4;
