@@ -431,11 +431,10 @@ class SwapOptimizer(torch.optim.Optimizer):
 
         state_dtype = self.config.state_dtype  # (the closures keep no reference to this optimizer)
 
-        def lay_out(swappable: list[bool], swap_times: int, num_arenas: int) -> dict:
+        def lay_out(swappable: list[bool], swap_times: int, num_arenas: int) -> _C.StagingSummary:
             summary = lay_out_as(swappable, swap_times=swap_times, num_arenas=num_arenas, state_dtype=state_dtype,
                                  quantized_params=quantized_params)
-            summary["update_temporary_bytes"] = fused_op_table_bytes(summary["plan"])
-            return summary
+            return summary.with_update_temporary_bytes(fused_op_table_bytes(summary.plan))
 
         def advice(chosen, cost_model) -> list[str]:
             """Compact states the user may opt into, with what they would move
@@ -448,8 +447,8 @@ class SwapOptimizer(torch.optim.Optimizer):
                 summary = lay_out_as(chosen.swappable, swap_times=chosen.swap_times, num_arenas=chosen.num_arenas,
                                      state_dtype=dtype, quantized_params=quantized)
                 seconds = cost_model.predict(summary, chosen.num_arenas)["seconds"]
-                lines.append(f"state_dtype={dtype} would move {summary['moved_bytes']} bytes each way (now "
-                             f"{chosen.summary['moved_bytes']}), predicted step {seconds * 1e3:.3f} ms; it changes "
+                lines.append(f"state_dtype={dtype} would move {summary.moved_bytes} bytes each way (now "
+                             f"{chosen.summary.moved_bytes}), predicted step {seconds * 1e3:.3f} ms; it changes "
                              "the numerics, so it is yours to opt into (docs/usage.md, 'Compact states')")
             return lines
 

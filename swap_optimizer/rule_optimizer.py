@@ -424,11 +424,10 @@ class RuleSwapOptimizer(SwapOptimizer):
         swap_keys = [self.config.state_keys is None or key in self.config.state_keys for key in keys]
         itself = weakref.ref(self)  # the plan keeps lay_out, which must not keep this optimizer alive
 
-        def lay_out(swappable_now: list[bool], swap_times: int, num_arenas: int) -> dict:
+        def lay_out(swappable_now: list[bool], swap_times: int, num_arenas: int) -> _C.StagingSummary:
             summary = _C.plan_rule_staging(locals_, states, swappable_now, splittable, swap_keys,
                                            swap_times=swap_times, num_arenas=num_arenas)
-            summary["update_temporary_bytes"] = itself()._temporaries_of(summary["plan"], states)
-            return summary
+            return summary.with_update_temporary_bytes(itself()._temporaries_of(summary.plan, states))
 
         copies = copy_bytes(locals_, self.__dict__.get("_unscale_in_step", False) or self._overlap is not None)
         planning = Planning.make(self.config, self._budget_now(), lay_out, swappable, copies, self._device,
@@ -490,8 +489,8 @@ class RuleSwapOptimizer(SwapOptimizer):
         def need(swap_times: int) -> tuple[int, int, int]:
             summary = _C.plan_rule_staging(params, states, swappable, splittable, swap_keys,
                                            swap_times=swap_times, num_arenas=num_arenas)
-            staging, temporaries = summary["staging_bytes"], self._temporaries_of(summary["plan"], states)
-            return staging + temporaries, staging, summary["finest_swap_times"]
+            staging, temporaries = summary.staging_bytes, self._temporaries_of(summary.plan, states)
+            return staging + temporaries, staging, summary.finest_swap_times
 
         finest = need(1)[2]
         for swap_times in range(1, min(num_arenas, finest) + 1):  # below num_arenas batches each adds an arena
