@@ -76,28 +76,28 @@ def main(argv=None) -> int:
         total, largest = sum(numels), max(numels)
         for swap_times in args.swap_times:
             summary = plan(shapes, swap_times, args.num_arenas)
-            host = summary["host_state_bytes"]
-            share = summary["staging_bytes"] / host
+            host = summary.host_state_bytes
+            share = summary.staging_bytes / host
             ideal = args.num_arenas / swap_times
             floor = args.num_arenas * largest * 4 / host  # two bf16 states per element
-            copies = max(b["host_copies"] for b in summary["plan"])
+            copies = max(b["host_copies"] for b in summary.plan)
             real = "-"
             if args.real_step == "all" or args.real_step == key:
                 stats = real_step(shapes, swap_times, args.num_arenas)
                 real_share = stats["peak_staging_bytes"] / stats["host_state_bytes"]
-                if stats["peak_staging_bytes"] != summary["staging_bytes"] or stats["host_state_bytes"] != host:
+                if stats["peak_staging_bytes"] != summary.staging_bytes or stats["host_state_bytes"] != host:
                     print(f"error: the real step of {key} at swap_times {swap_times} does not match the plan",
                           file=sys.stderr)
                     return 1
                 real = f"{real_share:.5f}"
             rows.append(dict(model=key, params=total, largest=largest, swap_times=swap_times,
-                             num_arenas=args.num_arenas, staging_bytes=summary["staging_bytes"], host_state_bytes=host,
-                             share=share, ideal=ideal, whole_param_floor=floor, batches=summary["batches"],
-                             split_params=summary["split_params"], max_host_copies=copies,
+                             num_arenas=args.num_arenas, staging_bytes=summary.staging_bytes, host_state_bytes=host,
+                             share=share, ideal=ideal, whole_param_floor=floor, batches=summary.batches,
+                             split_params=summary.split_params, max_host_copies=copies,
                              real_step_share=None if real == "-" else float(real)))
             print(f"| {title} | {total / 1e6:.0f}M | {largest / total:.0%} | {swap_times} | {share:.5f} | "
-                  f"{ideal:.5f} | {share - ideal:+.5f} | {floor:.2f} | {summary['batches']} | "
-                  f"{summary['split_params']} | {copies} | {real} |")
+                  f"{ideal:.5f} | {share - ideal:+.5f} | {floor:.2f} | {summary.batches} | "
+                  f"{summary.split_params} | {copies} | {real} |")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=1)

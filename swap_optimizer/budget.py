@@ -10,11 +10,14 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
 from .devices import DeviceLike, resolve_device
+
+if TYPE_CHECKING:
+    from ._C import StagingSummary  # what _C.plan_staging and _C.plan_rule_staging return
 
 # torch's CUDA caching allocator rounds every block up to a multiple of this,
 # and max_memory_allocated counts the rounded sizes.
@@ -116,16 +119,16 @@ class StepCostModel:
                 f"GB/s of state; {self.batch_seconds * 1e6:.0f} us per batch, {self.step_seconds * 1e6:.0f} us "
                 "per step")
 
-    def predict(self, summary: dict, num_arenas: int) -> dict:
+    def predict(self, summary: StagingSummary, num_arenas: int) -> dict:
         """Predicted seconds of one step of the plan `summary` (plan_staging's),
         replaying the pipeline's order: batch b is copied in once the arena of
         batch b - num_arenas is copied out, updated once copied in, copied out
         once updated; with 2 arenas copies in and out share one queue, with 3 or
         more they run on two, sharing the link's both-ways bandwidth while both
         move. The resident batch updates first, beside the first copies in."""
-        rotating = [b for b in summary["plan"] if not b["resident"]]
+        rotating = [b for b in summary.plan if not b["resident"]]
         # Resident batches (one per group) use the store at absolute offsets: the last one ends where it does.
-        resident = max((b["arena_bytes"] for b in summary["plan"] if b["resident"]), default=0)
+        resident = max((b["arena_bytes"] for b in summary.plan if b["resident"]), default=0)
         compute_free = resident / self.update_bytes_per_s + (self.batch_seconds if resident else 0.0)
         update_seconds = compute_free
         shared_queue = min(num_arenas, len(rotating)) < 3  # as the runtime: two queues from 3 arenas in use
@@ -171,26 +174,26 @@ class StepCostModel:
                     link_seconds=moved / self.h2d_bytes_per_s + moved / self.d2h_bytes_per_s)
 
 
-def device_bytes(summary: dict, num_arenas: int, extra_bytes: int) -> dict:
+def device_bytes(summary: StagingSummary, num_arenas: int, extra_bytes: int) -> dict:
     """The device bytes a plan takes, as the budget counts them: the resident
     store, min(num_arenas, batches) arenas, the step table (each one
     allocation, rounded as the allocator rounds), what the update allocates
     beside them where the plan's summary says (torch's temporaries; the fused
     Adam op's device table), and `extra_bytes` (contiguous copies of strided
     params and their grads, GradScaler's clones)."""
-    arenas = min(num_arenas, summary["batches"]) * allocated(summary["largest_arena_bytes"])
-    parts = dict(resident_state=allocated(summary["resident_state_bytes"]), arenas=arenas,
-                 step_table=allocated(summary["step_table_bytes"]),
-                 update_temporaries=summary.get("update_temporary_bytes", 0), copies=extra_bytes)
+    arenas = min(num_arenas, summary.batches) * allocated(summary.largest_arena_bytes)
+    parts = dict(resident_state=allocated(summary.resident_state_bytes), arenas=arenas,
+                 step_table=allocated(summary.step_table_bytes),
+                 update_temporaries=summary.update_temporary_bytes, copies=extra_bytes)
     parts["total"] = sum(parts.values())
     return parts
 
 
-def resident_share(summary: dict) -> float:
+def resident_share(summary: StagingSummary) -> float:
     """Device state bytes / all state bytes (min_numel and state_keys residents
     included; exact element bytes, without the regions' alignment)."""
-    total = sum(summary["param_state_bytes"])
-    return 1.0 - summary["swapped_state_bytes"] / total if total else 1.0
+    total = sum(summary.param_state_bytes)
+    return 1.0 - summary.swapped_state_bytes / total if total else 1.0
 
 
 @dataclass
@@ -203,7 +206,7 @@ class PlanChoice:
     num_arenas: int
     swappable: list[bool]
     resident_params: tuple[int, ...]
-    summary: dict = field(repr=False)
+    summary: StagingSummary = field(repr=False)
     device: dict = field(repr=False)
     prediction: dict = field(repr=False)
 
@@ -211,18 +214,18 @@ class PlanChoice:
     def row(self) -> dict:
         return dict(swap_times=self.swap_times, num_arenas=self.num_arenas,
                     resident_share=resident_share(self.summary), resident_params=len(self.resident_params),
-                    batches=self.summary["batches"], predicted_step_seconds=self.prediction["seconds"],
-                    device_bytes=self.device["total"], moved_bytes_each_way=self.summary["moved_bytes"])
+                    batches=self.summary.batches, predicted_step_seconds=self.prediction["seconds"],
+                    device_bytes=self.device["total"], moved_bytes_each_way=self.summary.moved_bytes)
 
 
-LayOut = Callable[[list[bool], int, int], dict]
+LayOut = Callable[[list[bool], int, int], "StagingSummary"]
 
 
 def evaluate(lay_out: LayOut, swappable: list[bool], swap_times: int, num_arenas: int, base: Sequence[bool],
              extra_bytes: int, cost_model: StepCostModel) -> PlanChoice:
     summary = lay_out(swappable, swap_times, num_arenas)
     # Past the finest split the plan is the finest one: name it by that count.
-    swap_times = max(1, min(swap_times, summary["finest_swap_times"]))
+    swap_times = max(1, min(swap_times, summary.finest_swap_times))
     return PlanChoice(swap_times, num_arenas, list(swappable),
                       tuple(i for i, (b, s) in enumerate(zip(base, swappable)) if b and not s), summary,
                       device_bytes(summary, num_arenas, extra_bytes), cost_model.predict(summary, num_arenas))
@@ -240,7 +243,7 @@ def _fill(lay_out: LayOut, base: list[bool], start: list[bool], priority: Sequen
     # Over the staging cap or the budget: params kept resident shrink the
     # arenas (with num_arenas near swap_times, by about what they take).
     while True:
-        over_cap = staging_cap is not None and choice.summary["staging_bytes"] > staging_cap
+        over_cap = staging_cap is not None and choice.summary.staging_bytes > staging_cap
         if not over_cap and choice.device["total"] <= budget:
             break
         if not candidates:
@@ -250,7 +253,7 @@ def _fill(lay_out: LayOut, base: list[bool], start: list[bool], priority: Sequen
         if not over_cap and trial.device["total"] >= choice.device["total"]:
             return None  # residents no longer pay for themselves
         choice = trial
-    state_bytes = choice.summary["param_state_bytes"]
+    state_bytes = choice.summary.param_state_bytes
     added: list[int] = []
     for _ in range(3):  # adding residents shrinks the arenas, which may make room for more
         room = budget - choice.device["total"]
@@ -309,7 +312,7 @@ def choose_plan(lay_out: LayOut, base: list[bool], priority: Sequence[int], budg
     are searched over a ladder of counts and 2-4 arenas. `base` says which
     params may be swapped at all (min_numel, contiguity, state kept); the
     planner keeps more of them resident, in `priority` order."""
-    finest = lay_out(list(base), 1, 2)["finest_swap_times"]
+    finest = lay_out(list(base), 1, 2).finest_swap_times
     counts, more_counts = ([swap_times], []) if swap_times is not None else swap_times_ladder(finest)
     arenas = [num_arenas] if num_arenas is not None else list(_ARENA_CHOICES)
     weighed: list[PlanChoice] = []
@@ -321,8 +324,8 @@ def choose_plan(lay_out: LayOut, base: list[bool], priority: Sequence[int], budg
                 choice = _fill(lay_out, base, start, priority, budget, s, a, staging_cap, extra_bytes, cost_model)
                 if choice is None:
                     continue
-                key = (choice.summary["batches"], min(a, max(1, choice.summary["batches"])),
-                       choice.resident_params, choice.summary["largest_arena_bytes"])
+                key = (choice.summary.batches, min(a, max(1, choice.summary.batches)),
+                       choice.resident_params, choice.summary.largest_arena_bytes)
                 if key not in seen:  # the same layout under another count (all resident, or past the finest split)
                     seen.add(key)
                     weighed.append(choice)
@@ -350,7 +353,7 @@ def smallest_device_bytes(lay_out: LayOut, base: list[bool], extra_bytes: int, s
     """(the least device bytes a plan keeping only the `base` residents takes
     at the given or the finest counts, the bytes of those residents alone),
     for the error when a budget is too small."""
-    finest = lay_out(list(base), 1, 2)["finest_swap_times"]
+    finest = lay_out(list(base), 1, 2).finest_swap_times
     least = None
     residents = 0
     for a in [num_arenas] if num_arenas is not None else [2]:
@@ -386,11 +389,11 @@ def neighbours(lay_out: LayOut, chosen: PlanChoice, base: list[bool], budget: Op
     """The plans next to `chosen`: half and twice its swap_times, one arena
     fewer and more, no extra resident param, and (with a budget) every
     candidate resident kept resident."""
-    finest = chosen.summary["finest_swap_times"]
+    finest = chosen.summary.finest_swap_times
     out = []
 
     def layout_key(c: PlanChoice) -> tuple:
-        return (c.summary["batches"], c.summary["largest_arena_bytes"], min(c.num_arenas, c.summary["batches"]))
+        return (c.summary.batches, c.summary.largest_arena_bytes, min(c.num_arenas, c.summary.batches))
 
     for s, a in ((chosen.swap_times // 2, chosen.num_arenas), (chosen.swap_times * 2, chosen.num_arenas),
                  (chosen.swap_times, chosen.num_arenas - 1), (chosen.swap_times, chosen.num_arenas + 1)):
@@ -414,7 +417,7 @@ def report(chosen: PlanChoice, others: list[PlanChoice], budget: Optional[int], 
                       neighbours=[row(c) for c in others], advice=advice)
 
 
-def fused_op_table_bytes(plan: list[dict]) -> int:
+def fused_op_table_bytes(plan: Sequence[dict]) -> int:
     """A bound on the device table the fused Adam op's CUDA kernel copies up
     for its call on a batch (csrc/kernels/cuda/fused_adam_cuda.cu: per row a
     step reference, step scalars and a descriptor of at most 136 bytes, 8
@@ -520,7 +523,7 @@ class Planning:
         return self.base if self.choice is None else self.choice.swappable
 
     @functools.cached_property
-    def summary(self) -> dict:
+    def summary(self) -> StagingSummary:
         """The summary of the plan the store follows."""
         if self.choice is not None:
             return self.choice.summary

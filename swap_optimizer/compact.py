@@ -20,7 +20,7 @@ except ImportError:  # torch built without distributed support
 
 BLOCK_SIZE = 256  # elements per absmax scale
 MIN_QUANTIZED_NUMEL = 4096  # smaller params keep unquantized moments
-MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+MOMENTS = _C.adam_moment_keys  # exp_avg, exp_avg_sq, max_exp_avg_sq: the keys 8-bit codes may hold
 # The key, in each param group of a state dict, that describes its state form.
 FORMAT_KEY = "swap_state_format"
 

@@ -7,15 +7,17 @@ from typing import Any, Optional, Union
 
 import torch
 
+from . import _C
 from .budget import StepCostModel
 
+# Per key of the runtime's Adam/AdamW state, the state key whose placement it
+# follows (each moment's absmax scales follow the moment), from the
+# extension's one table (csrc/kernels/adam_vocabulary.h).
+_RUNTIME_KEYS = _C.adam_runtime_key_owners
 # The states Adam/AdamW keep per param, plus the optional fp32 master copy and
-# Kahan compensation buffer. (8-bit moments keep their codes and scales where
-# the moment's key says.)
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param", "compensation")
-# The runtime's keys: the first four, each moment's absmax scales, the compensation.
-_RUNTIME_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param", "exp_avg", "exp_avg_sq",
-                 "max_exp_avg_sq", "compensation")
+# Kahan compensation buffer: the keys that follow themselves. (8-bit moments
+# keep their codes and scales where the moment's key says.)
+STATE_KEYS = tuple(key for key, owner in zip(_C.adam_runtime_keys, _RUNTIME_KEYS) if key == owner)
 _STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.uint8)
 
 

@@ -7,11 +7,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import _C  # noqa: F401  (loads the library that defines the op)
+from . import _C  # (also loads the library that defines the op)
 
-LAYOUT_COLUMNS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "numel", "param_offset", "step_index",
-                  "advance_step", "exp_avg_absmax", "exp_avg_sq_absmax", "max_exp_avg_sq_absmax", "compensation",
-                  "random_key", "global_offset")
+# The layout table's columns, as the extension names them (csrc/kernels/adam_vocabulary.h).
+LAYOUT_COLUMNS = _C.layout_columns
 ABSENT = -1
 _op = torch.ops.swap_optimizer.fused_adam_packed
 
@@ -110,7 +109,10 @@ def plan_packed_layout(
         exp_avg_sq = take(state_bytes)
         max_exp_avg_sq = take(state_bytes) if amsgrad else ABSENT
         master = take(p.numel() * 4) if master_weights and p.dtype != torch.float32 else ABSENT
-        rows.append([exp_avg, exp_avg_sq, max_exp_avg_sq, master, p.numel(), 0, index, 1,
-                     ABSENT, ABSENT, ABSENT, ABSENT, index, 0])
+        row = dict.fromkeys(LAYOUT_COLUMNS, ABSENT)
+        row.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq, master=master,
+                   numel=p.numel(), param_offset=0, step_index=index, advance_step=1, random_key=index,
+                   global_offset=0)
+        rows.append(list(row.values()))
     layout = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(LAYOUT_COLUMNS))
     return layout, cursor

@@ -150,13 +150,12 @@ class Planner:
         config = SwapOptimizerConfig(**STATE_MODES[mode])
         quantized = [n >= MIN_QUANTIZED_NUMEL for n in self.whole_numels] if config.state_dtype == torch.uint8 else []
 
-        def lay_out(swappable: list, swap_times: int, num_arenas: int) -> dict:
+        def lay_out(swappable: list, swap_times: int, num_arenas: int) -> _C.StagingSummary:
             summary = _C.plan_staging(self.params, [0] * len(self.params), [False], swappable,
                                       swap_times=swap_times, num_arenas=num_arenas, state_dtype=config.state_dtype,
                                       master_weights=config.master_weights, swap_keys=config.runtime_swap_keys(),
                                       kahan_summation=config.kahan_summation, quantized_params=quantized)
-            summary["update_temporary_bytes"] = fused_op_table_bytes(summary["plan"])  # as SwapOptimizer counts
-            return summary
+            return summary.with_update_temporary_bytes(fused_op_table_bytes(summary.plan))  # as SwapOptimizer counts
         return lay_out
 
     def best_plan(self, mode: str, budget: int, swap_times: Optional[int], num_arenas: Optional[int]):
@@ -166,12 +165,12 @@ class Planner:
                               cost_model=self.cost_model)
         return best
 
-    def swap_row(self, memory: Memory, plan: str, settings: str, summary: dict, swap_times: int,
+    def swap_row(self, memory: Memory, plan: str, settings: str, summary: _C.StagingSummary, swap_times: int,
                  num_arenas: int) -> dict:
-        return memory.row(plan, settings, device_bytes(summary, num_arenas, 0)["total"], summary["host_state_bytes"],
-                          swap_times=swap_times, num_arenas=num_arenas, batches=summary["batches"],
-                          resident_state_bytes=summary["resident_state_bytes"], staging_bytes=summary["staging_bytes"],
-                          step_table_bytes=summary["step_table_bytes"], moved_bytes_each_way=summary["moved_bytes"],
+        return memory.row(plan, settings, device_bytes(summary, num_arenas, 0)["total"], summary.host_state_bytes,
+                          swap_times=swap_times, num_arenas=num_arenas, batches=summary.batches,
+                          resident_state_bytes=summary.resident_state_bytes, staging_bytes=summary.staging_bytes,
+                          step_table_bytes=summary.step_table_bytes, moved_bytes_each_way=summary.moved_bytes,
                           resident_share=resident_share(summary),
                           predicted_step_seconds=self.cost_model.predict(summary, num_arenas)["seconds"])
 

@@ -6,6 +6,8 @@ AdamW within rtol 1e-5, atol 1e-6 (fp32, a few steps); the budget is never
 exceeded by the runtime's own accounting (on CUDA, by max_memory_allocated);
 the plan's bytes are memory_stats()'s exactly."""
 
+from types import SimpleNamespace  # a plan summary as the cost model reads it: the plan alone
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import swap_optimizer as so
+from swap_optimizer import _C
 from conftest import PACKED_KERNEL, DEVICES, requires_cuda
 from swap_optimizer.budget import StepCostModel, allocated
 
@@ -237,7 +240,7 @@ def test_the_planner_does_not_trade_a_split_for_thousands_of_batches():
     costly_batches = StepCostModel(1e9, 1e9, 1.6e9, 1e11, batch_seconds=0.05, step_seconds=0.0)
     optimizer = so.SwapOptimizer(adamw(build("cpu").parameters()), device_budget_bytes=base + host,
                                  cost_model=costly_batches)
-    finest = optimizer._planning.lay_out(optimizer._planning.base, 1, 2)["finest_swap_times"]
+    finest = optimizer._planning.lay_out(optimizer._planning.base, 1, 2).finest_swap_times
     assert optimizer.memory_stats()["plan"]["swap_times"] < finest
 
 
@@ -249,7 +252,7 @@ def test_precedence_of_swap_times_num_arenas_and_the_staging_cap():
     capped = so.SwapOptimizer(adamw(build("cpu").parameters()), device_budget_bytes=base + host,
                               staging_budget_bytes=200_000, cost_model=SLOW_LINK)
     summary = capped._planning.choice.summary
-    assert summary["staging_bytes"] <= 200_000
+    assert summary.staging_bytes <= 200_000
     with pytest.raises(ValueError, match="the smallest plan takes [0-9]+ bytes \\(the resident states, arenas at "
                                          "swap_times=3, .*or leave swap_times to the planner"):
         so.SwapOptimizer(adamw(build("cpu").parameters()), device_budget_bytes=base, swap_times=3, num_arenas=3,
@@ -305,10 +308,10 @@ def test_the_cost_model_replays_the_pipeline_by_hand():
     model = StepCostModel(h2d_bytes_per_s=1e6, d2h_bytes_per_s=5e5, both_bytes_per_s=1e6, update_bytes_per_s=1e30,
                           batch_seconds=0.0, step_seconds=0.5)
     plan = [dict(resident=False, host_bytes=1000, arena_bytes=1000) for _ in range(3)]
-    assert model.predict(dict(plan=plan), 2)["seconds"] == pytest.approx(3 * (1e-3 + 2e-3) + 0.5)
+    assert model.predict(SimpleNamespace(plan=plan), 2)["seconds"] == pytest.approx(3 * (1e-3 + 2e-3) + 0.5)
     # an update slower than the link: the step is the first copy in, every update, the last copy out
     slow = StepCostModel(1e6, 5e5, 2e6, update_bytes_per_s=1e5, batch_seconds=0.0, step_seconds=0.0)
-    assert slow.predict(dict(plan=plan), 3)["seconds"] == pytest.approx(1e-3 + 3 * 1e-2 + 2e-3)
+    assert slow.predict(SimpleNamespace(plan=plan), 3)["seconds"] == pytest.approx(1e-3 + 3 * 1e-2 + 2e-3)
     with pytest.raises(ValueError, match="StepCostModel.h2d_bytes_per_s must be a positive finite number"):
         StepCostModel(0, 1, 1, 1, 0, 0)
 
@@ -319,13 +322,13 @@ def test_the_cost_model_counts_the_resident_batch():
     slow = StepCostModel(1e6, 5e5, 2e6, update_bytes_per_s=1e5, batch_seconds=0.0, step_seconds=0.0)
     rotating = [dict(resident=False, host_bytes=1000, arena_bytes=1000) for _ in range(3)]
     resident = [dict(resident=True, host_bytes=0, arena_bytes=2000)]
-    prediction = slow.predict(dict(plan=resident + rotating), 3)
+    prediction = slow.predict(SimpleNamespace(plan=resident + rotating), 3)
     # the resident update (2e-2 s), each rotating update (1e-2 s), the last copy out (2e-3 s)
     assert prediction["seconds"] == pytest.approx(2e-2 + 3 * 1e-2 + 2e-3)
     assert prediction["update_seconds"] == pytest.approx(2e-2 + 3 * 1e-2)
     # everything resident: its update, a batch's fixed cost and the step's
     alone = StepCostModel(1e6, 5e5, 2e6, update_bytes_per_s=1e5, batch_seconds=1e-3, step_seconds=0.5)
-    assert alone.predict(dict(plan=resident), 2)["seconds"] == pytest.approx(2e-2 + 1e-3 + 0.5)
+    assert alone.predict(SimpleNamespace(plan=resident), 2)["seconds"] == pytest.approx(2e-2 + 1e-3 + 0.5)
 
 
 def test_the_one_by_one_tries_never_take_a_plan_over_the_budget():
@@ -343,10 +346,12 @@ def test_the_one_by_one_tries_never_take_a_plan_over_the_budget():
         plan = [dict(resident=True, host_bytes=0, arena_bytes=state * resident)] if resident else []
         plan += [dict(resident=False, host_bytes=state, arena_bytes=state) for _ in swapped]
         largest = state if swapped else 0
-        return dict(plan=plan, batches=len(swapped), largest_arena_bytes=largest, resident_state_bytes=state * resident,
-                    step_table_bytes=0, update_temporary_bytes=0 if swappable[0] else temporaries,
-                    staging_bytes=min(num_arenas, len(swapped)) * largest, param_state_bytes=[state] * 3,
-                    swapped_state_bytes=state * len(swapped), moved_bytes=state * len(swapped), finest_swap_times=3)
+        return _C.StagingSummary(plan=plan, batches=len(swapped), largest_arena_bytes=largest,
+                                 resident_state_bytes=state * resident, step_table_bytes=0,
+                                 update_temporary_bytes=0 if swappable[0] else temporaries,
+                                 staging_bytes=min(num_arenas, len(swapped)) * largest, param_state_bytes=[state] * 3,
+                                 swapped_state_bytes=state * len(swapped), moved_bytes=state * len(swapped),
+                                 finest_swap_times=3, host_state_bytes=state * len(swapped), split_params=0)
 
     budget = 2 * state + state + 8 * 256  # two arenas, and room for one more param's state (and its alignment)
     best, weighed = choose_plan(lay_out, [True] * 3, [0, 1, 2], budget, swap_times=3, num_arenas=2, staging_cap=None,

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <thread>
+#include <type_traits>
 #include <tuple>
 
 namespace swap_optimizer {
@@ -87,33 +88,91 @@ py::list batch_plan(const runtime::StorePlan& plan) {
 // bytes it lays out, its batches, and each param's state bytes (every key it
 // keeps, swapped or resident), from which the device budget's planner chooses
 // the params to keep resident, and the state bytes that go to host memory.
-py::dict plan_summary(const runtime::StorePlan& plan, const std::vector<runtime::SlotSpec>& specs,
-                      const KeyFlags& swap_keys, int64_t num_arenas) {
-  py::dict summary;
-  summary["host_state_bytes"] = plan.host_bytes;
-  summary["staging_bytes"] = runtime::staging_bytes_of(plan, num_arenas);
-  summary["largest_arena_bytes"] = plan.staging_arena_bytes;
-  summary["step_table_bytes"] = plan.step_table_bytes;
-  summary["resident_state_bytes"] = plan.resident_store_bytes;
-  summary["batches"] = plan.rotating_batches;
-  summary["split_params"] = plan.split_params;
-  summary["moved_bytes"] = plan.moved_bytes;
-  summary["finest_swap_times"] = runtime::finest_swap_times(specs);
-  py::list param_state_bytes;
-  int64_t swapped_state_bytes = 0;  // exact, without the regions' alignment or the step table
+// Every field is declared here, once, update_temporary_bytes too, which the
+// Python layer sets (with_update_temporary_bytes) for the update it runs.
+#define SWAP_STAGING_SUMMARY_FIELDS(X)                                                           \
+  X(int64_t, host_state_bytes)                                                                  \
+  X(int64_t, staging_bytes)        /* min(num_arenas, batches) arenas and the step table */     \
+  X(int64_t, largest_arena_bytes)                                                               \
+  X(int64_t, step_table_bytes)                                                                  \
+  X(int64_t, resident_state_bytes)                                                              \
+  X(int64_t, batches)              /* batches through the staging arenas */                     \
+  X(int64_t, split_params)                                                                      \
+  X(int64_t, moved_bytes)          /* each way, per step */                                     \
+  X(int64_t, finest_swap_times)                                                                 \
+  X(std::vector<int64_t>, param_state_bytes)  /* per param, every key it keeps */              \
+  X(int64_t, swapped_state_bytes)  /* exact, without the regions' alignment or the step table */ \
+  X(py::tuple, plan)               /* per batch, as SwapRuntime.batch_plan() lists it */        \
+  X(int64_t, update_temporary_bytes)  /* device bytes the update allocates beside the arenas */
+
+struct StagingSummary {
+#define SWAP_DECLARE_FIELD(type, name) type name{};
+  SWAP_STAGING_SUMMARY_FIELDS(SWAP_DECLARE_FIELD)
+#undef SWAP_DECLARE_FIELD
+
+  // The fields by name: for output that needs a dict (JSON), and the repr.
+  py::dict as_dict() const {
+    py::dict fields;
+#define SWAP_FIELD_TO_DICT(type, name) fields[#name] = name;
+    SWAP_STAGING_SUMMARY_FIELDS(SWAP_FIELD_TO_DICT)
+#undef SWAP_FIELD_TO_DICT
+    return fields;
+  }
+
+  // From keyword arguments, one per field (update_temporary_bytes may be left
+  // out: 0); the plan may be any sequence.
+  static StagingSummary from_fields(const py::kwargs& fields) {
+    StagingSummary summary;
+    size_t read = 0;
+#define SWAP_FIELD_FROM_KWARGS(type, name)                                                              \
+    if (fields.contains(#name)) {                                                                      \
+      summary.name = field_from<type>(fields[#name]);                                                  \
+      ++read;                                                                                          \
+    } else {                                                                                           \
+      TORCH_CHECK_VALUE(std::string(#name) == "update_temporary_bytes", "StagingSummary: no " #name); \
+    }
+    SWAP_STAGING_SUMMARY_FIELDS(SWAP_FIELD_FROM_KWARGS)
+#undef SWAP_FIELD_FROM_KWARGS
+    TORCH_CHECK_VALUE(read == fields.size(), "StagingSummary: unknown field(s) among ",
+                      py::str(fields).cast<std::string>(), "; the fields are ",
+                      py::str(summary.as_dict().attr("keys")()).cast<std::string>());
+    return summary;
+  }
+
+ private:
+  template <typename T>
+  static T field_from(const py::handle& value) {
+    if constexpr (std::is_same_v<T, py::tuple>) {
+      return py::tuple(py::reinterpret_borrow<py::object>(value));
+    } else {
+      return value.cast<T>();
+    }
+  }
+};
+
+StagingSummary plan_summary(const runtime::StorePlan& plan, const std::vector<runtime::SlotSpec>& specs,
+                            const KeyFlags& swap_keys, int64_t num_arenas) {
+  StagingSummary summary;
+  summary.host_state_bytes = plan.host_bytes;
+  summary.staging_bytes = runtime::staging_bytes_of(plan, num_arenas);
+  summary.largest_arena_bytes = plan.staging_arena_bytes;
+  summary.step_table_bytes = plan.step_table_bytes;
+  summary.resident_state_bytes = plan.resident_store_bytes;
+  summary.batches = plan.rotating_batches;
+  summary.split_params = plan.split_params;
+  summary.moved_bytes = plan.moved_bytes;
+  summary.finest_swap_times = runtime::finest_swap_times(specs);
   for (const runtime::SlotSpec& spec : specs) {
     int64_t bytes = 0;
     for (int key = 0; key < static_cast<int>(spec.states.size()); ++key) {
       if (!runtime::key_kept(spec, key)) continue;
       const int64_t key_bytes = runtime::key_bytes(spec, key, spec.numel);
       bytes += key_bytes;
-      if (spec.swappable && swap_keys[key]) swapped_state_bytes += key_bytes;
+      if (spec.swappable && swap_keys[key]) summary.swapped_state_bytes += key_bytes;
     }
-    param_state_bytes.append(bytes);
+    summary.param_state_bytes.push_back(bytes);
   }
-  summary["param_state_bytes"] = param_state_bytes;
-  summary["swapped_state_bytes"] = swapped_state_bytes;
-  summary["plan"] = batch_plan(plan);
+  summary.plan = py::tuple(batch_plan(plan));
   return summary;
 }
 
@@ -202,6 +261,29 @@ using RuntimeHolder = std::unique_ptr<SwapRuntime, DeleteWithoutGil>;
 }  // namespace
 
 void bind_runtime(py::module& module) {
+  py::class_<StagingSummary> staging_summary(
+      module, "StagingSummary",
+      "What plan_staging and plan_rule_staging report of a plan, read-only: host, staging and resident bytes, "
+      "batches, split params, bytes moved each way, the finest swap_times, each param's state bytes, the swapped "
+      "state bytes, the batch plan, and the device bytes the update allocates beside the arenas. "
+      "StagingSummary(**fields) makes one (update_temporary_bytes may be left out).");
+#define SWAP_BIND_FIELD(type, name) staging_summary.def_readonly(#name, &StagingSummary::name);
+  SWAP_STAGING_SUMMARY_FIELDS(SWAP_BIND_FIELD)
+#undef SWAP_BIND_FIELD
+  staging_summary.def(py::init(&StagingSummary::from_fields))
+      .def(
+          "with_update_temporary_bytes",
+          [](const StagingSummary& self, int64_t bytes) {
+            StagingSummary summary = self;
+            summary.update_temporary_bytes = bytes;
+            return summary;
+          },
+          py::arg("bytes"), "A copy with update_temporary_bytes set.")
+      .def("as_dict", &StagingSummary::as_dict, "The fields by name (for JSON output).")
+      .def("__repr__", [](const StagingSummary& self) {
+        return "StagingSummary(" + py::str(self.as_dict()).cast<std::string>() + ")";
+      });
+
   py::class_<SwapRuntime, RuntimeHolder>(module, "SwapRuntime",
                           "Host store, staging arenas and packed pipeline of one SwapOptimizer.")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<int64_t> group_of_param,

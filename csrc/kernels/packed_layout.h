@@ -3,6 +3,8 @@
 // both reject exactly the same tables, before any element is written.
 #pragma once
 
+#include "adam_vocabulary.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
@@ -12,39 +14,7 @@
 
 namespace swap_optimizer {
 
-// Columns of the int64 layout table, one row per parameter (or piece of one).
-// State offsets are in bytes from the start of the arena; kAbsent marks a state
-// that is not kept. A row updates elements [param_offset, param_offset + numel)
-// of its param and grad, whose states sit at the offsets; its step count is
-// steps[step_index], read as the step before this one, and written back
-// incremented only when advance_step is 1 (the last piece of a split param, or
-// a whole param), so every piece of a param uses the same step.
-//
-// Compact states (state_codec.h): a row whose moments are 8-bit codes (only
-// with state_dtype uint8) has an absmax offset per kept moment: one float32 per
-// block of kQuantBlock elements from the row's first element (param_offset is
-// then a multiple of kQuantBlock); a row of a 16-bit param may keep a Kahan
-// compensation buffer in the param's dtype. Stochastic rounding (a
-// rounding_seed) draws for element i of the row with param index random_key and
-// global index global_offset + i (the element's index in the whole param, also
-// under sharding).
-enum LayoutColumn : int64_t {
-  kExpAvgOffset = 0,
-  kExpAvgSqOffset = 1,
-  kMaxExpAvgSqOffset = 2,
-  kMasterOffset = 3,
-  kNumel = 4,
-  kParamOffset = 5,
-  kStepIndex = 6,
-  kAdvanceStep = 7,
-  kExpAvgAbsmaxOffset = 8,
-  kExpAvgSqAbsmaxOffset = 9,
-  kMaxExpAvgSqAbsmaxOffset = 10,
-  kCompensationOffset = 11,
-  kRandomKey = 12,
-  kGlobalOffset = 13,
-  kLayoutColumns = 14,
-};
+// The layout table's columns (LayoutColumn) are in adam_vocabulary.h.
 constexpr int64_t kAbsent = -1;
 
 // Byte offsets of one row's states, checked against its arena, and the part of

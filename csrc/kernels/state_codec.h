@@ -10,6 +10,7 @@
 #pragma once
 
 #include "adam_math.h"
+#include "adam_vocabulary.h"
 
 #include <cstdint>
 
@@ -48,9 +49,6 @@ struct CodeSearch {
   uint8_t unsigned_values[1 << kBucketBits];
 };
 const CodeSearch& code_search();
-
-// Which quantized moment a code array holds (also its key in the rounding generator).
-enum MomentKey : int { kMomentExpAvg = 0, kMomentExpAvgSq = 1, kMomentMaxExpAvgSq = 2 };
 
 namespace {
 

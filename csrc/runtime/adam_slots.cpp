@@ -1,18 +1,9 @@
 #include "adam_slots.h"
 
-#include "swap_runtime.h"
-
 #include <c10/util/Exception.h>
 
 namespace swap_optimizer::runtime {
 namespace {
-
-constexpr const char* kStateNames[kAdamKeyCount] = {"exp_avg",        "exp_avg_sq",        "max_exp_avg_sq",
-                                                    "master_param",   "exp_avg_absmax",    "exp_avg_sq_absmax",
-                                                    "max_exp_avg_sq_absmax", "compensation"};
-// The moments' names when they hold 8-bit codes: never the plain names, which
-// torch.optim would read as values.
-constexpr const char* kCodeNames[3] = {"exp_avg_codes", "exp_avg_sq_codes", "max_exp_avg_sq_codes"};
 
 // The dtype of a param's unquantized moments.
 c10::ScalarType state_dtype_of(const RuntimeOptions& options, c10::ScalarType param_dtype) {
@@ -80,15 +71,16 @@ std::vector<std::vector<StateDescription>> adam_state_descriptions(const std::ve
       StateDescription& d = keys[key];
       d.shape = params[i].sizes().vec();
       if (key == kMaster) {
-        d = {kStateNames[key], at::kFloat, d.shape};
+        d = {kAdamKeyNames[key], at::kFloat, d.shape};
       } else if (key == kCompensation) {
-        d = {kStateNames[key], param_dtype, d.shape};
+        d = {kAdamKeyNames[key], param_dtype, d.shape};
       } else if (key >= kExpAvgAbsmax) {  // one float32 per block
-        d = {kStateNames[key], at::kFloat, {key_bytes(spec, key, spec.numel) / 4}};
+        d = {kAdamKeyNames[key], at::kFloat, {key_bytes(spec, key, spec.numel) / 4}};
       } else if (quantized) {
-        d = {kCodeNames[key], at::kByte, d.shape};
+        // Never the plain names, which torch.optim would read as values.
+        d = {std::string(kAdamKeyNames[key]) + "_codes", at::kByte, d.shape};
       } else {
-        d = {kStateNames[key], state_dtype_of(options, param_dtype), d.shape};
+        d = {kAdamKeyNames[key], state_dtype_of(options, param_dtype), d.shape};
       }
     }
   }

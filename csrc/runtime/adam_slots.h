@@ -4,6 +4,8 @@
 // reads the arena offsets of these keys from its layout table.
 #pragma once
 
+#include "../kernels/adam_vocabulary.h"
+#include "runtime_options.h"
 #include "store_plan.h"
 
 #include <ATen/core/Tensor.h>
@@ -14,8 +16,6 @@
 #include <vector>
 
 namespace swap_optimizer::runtime {
-
-struct RuntimeOptions;
 
 // One float32 step count per param, as torch.optim keeps.
 constexpr int64_t kAdamStepBytes = 4;
@@ -28,20 +28,7 @@ constexpr int64_t kMinQuantizedNumel = 4096;
 constexpr int64_t kScaleBlock = 256;
 static_assert(kSplitGranule % kScaleBlock == 0, "pieces start on whole scale blocks");
 
-// With 8-bit moments, kExpAvg..kMaxExpAvgSq hold codes and each has a float32
-// absmax per block in the key kScaleKeyOffset on.
-enum AdamKey : int {
-  kExpAvg = 0,
-  kExpAvgSq = 1,
-  kMaxExpAvgSq = 2,
-  kMaster = 3,
-  kExpAvgAbsmax = 4,
-  kExpAvgSqAbsmax = 5,
-  kMaxExpAvgSqAbsmax = 6,
-  kCompensation = 7,  // Kahan summation buffer, in the param's dtype
-  kAdamKeyCount = 8,
-};
-constexpr int kScaleKeyOffset = kExpAvgAbsmax - kExpAvg;
+// The keys (AdamKey), their names and owners are in adam_vocabulary.h.
 
 // What a state's view is called and holds: its name in the optimizer's state
 // dict, dtype and shape (a whole param's).

@@ -7,6 +7,7 @@
 #include "adam_slots.h"
 #include "host_transport.h"
 #include "pipeline.h"
+#include "runtime_options.h"
 #include "store_plan.h"
 
 #include <ATen/core/Tensor.h>
@@ -24,30 +25,6 @@
 #include <vector>
 
 namespace swap_optimizer::runtime {
-
-struct RuntimeOptions {
-  int64_t swap_times = 16;
-  int64_t num_arenas = 2;
-  // none: the param's dtype; kByte: 8-bit moments for params of at least
-  // kMinQuantizedNumel elements, the param's dtype for smaller ones.
-  std::optional<c10::ScalarType> state_dtype;
-  bool master_weights = false;                 // fp32 master copies of 16-bit params
-  bool kahan_summation = false;                // Kahan buffers for 16-bit params
-  std::optional<int64_t> rounding_seed;        // bf16 moments round stochastically
-  // Per param: the global index of its first local element (a shard's offset
-  // in the whole param), which keys stochastic rounding; empty: all 0.
-  std::vector<int64_t> global_offsets;
-  // Per param, with state_dtype kByte: whether its moments are 8-bit, decided
-  // on the whole param (under sharding every rank must agree, whatever its
-  // shard's size); empty: local numel >= kMinQuantizedNumel.
-  std::vector<bool> quantized_params;
-  bool pin_memory = true;
-  bool keep_arenas = false;
-  KeyFlags swap_keys = KeyFlags(kAdamKeyCount, true);  // which states (keys) of swappable params go to the host
-  // Per param: its resident group (SlotSpec::resident_group); empty: all 0,
-  // one resident batch.
-  std::vector<int64_t> resident_groups;
-};
 
 struct MemoryStats {
   int64_t host_state_bytes = 0;

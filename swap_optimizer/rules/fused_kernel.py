@@ -146,11 +146,10 @@ class PackedKernelRule:
         # (the closures keep no reference to the optimizer)
         config, state_dtype = opt.config, opt.config.state_dtype
 
-        def lay_out(swappable: list[bool], swap_times: int, num_arenas: int) -> dict:
+        def lay_out(swappable: list[bool], swap_times: int, num_arenas: int) -> _C.StagingSummary:
             summary = lay_out_as(swappable, swap_times=swap_times, num_arenas=num_arenas, state_dtype=state_dtype,
                                  quantized_params=quantized_params)
-            summary["update_temporary_bytes"] = fused_op_table_bytes(summary["plan"])
-            return summary
+            return summary.with_update_temporary_bytes(fused_op_table_bytes(summary.plan))
 
         def advice(chosen, cost_model) -> list[str]:
             """Compact states the user may opt into, with what they would move
@@ -163,8 +162,8 @@ class PackedKernelRule:
                 summary = lay_out_as(chosen.swappable, swap_times=chosen.swap_times, num_arenas=chosen.num_arenas,
                                      state_dtype=dtype, quantized_params=quantized)
                 seconds = cost_model.predict(summary, chosen.num_arenas)["seconds"]
-                lines.append(f"state_dtype={dtype} would move {summary['moved_bytes']} bytes each way (now "
-                             f"{chosen.summary['moved_bytes']}), predicted step {seconds * 1e3:.3f} ms; it changes "
+                lines.append(f"state_dtype={dtype} would move {summary.moved_bytes} bytes each way (now "
+                             f"{chosen.summary.moved_bytes}), predicted step {seconds * 1e3:.3f} ms; it changes "
                              "the numerics, so it is yours to opt into (docs/usage.md, 'Compact states')")
             return lines
 

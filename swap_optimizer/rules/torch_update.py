@@ -411,11 +411,10 @@ class TorchUpdateRule:
                              f"{type(self.optimizer).__name__} here; its states are {keys}")
         swap_keys = [opt.config.state_keys is None or key in opt.config.state_keys for key in keys]
         # (the plan keeps lay_out, which holds this rule, never the SwapOptimizer)
-        def lay_out(swappable_now: list[bool], swap_times: int, num_arenas: int) -> dict:
+        def lay_out(swappable_now: list[bool], swap_times: int, num_arenas: int) -> _C.StagingSummary:
             summary = _C.plan_rule_staging(locals_, states, swappable_now, splittable, swap_keys,
                                            swap_times=swap_times, num_arenas=num_arenas)
-            summary["update_temporary_bytes"] = self._temporaries_of(summary["plan"], states)
-            return summary
+            return summary.with_update_temporary_bytes(self._temporaries_of(summary.plan, states))
 
         copies = copy_bytes(locals_, opt.__dict__.get("_unscale_in_step", False) or opt._overlap is not None)
         planning = Planning.make(opt.config, opt._budget_now(), lay_out, swappable, copies, opt._device,
@@ -477,8 +476,8 @@ class TorchUpdateRule:
         def need(swap_times: int) -> tuple[int, int, int]:
             summary = _C.plan_rule_staging(params, states, swappable, splittable, swap_keys,
                                            swap_times=swap_times, num_arenas=num_arenas)
-            staging, temporaries = summary["staging_bytes"], self._temporaries_of(summary["plan"], states)
-            return staging + temporaries, staging, summary["finest_swap_times"]
+            staging, temporaries = summary.staging_bytes, self._temporaries_of(summary.plan, states)
+            return staging + temporaries, staging, summary.finest_swap_times
 
         finest = need(1)[2]
         for swap_times in range(1, min(num_arenas, finest) + 1):  # below num_arenas batches each adds an arena

@@ -1,0 +1,143 @@
+// A deferred step (SwapRuntime::step with deferred=true): enqueued whole on
+// the update queue, waited for by position or whole, and finished, raising
+// what stopped it, at the next call that needs it done.
+#include "runtime_step.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+
+namespace swap_optimizer::runtime {
+
+void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
+  const int64_t grad_bytes = work->grad_bytes();  // before the update thread may read the grads
+  if (device_.is_cpu()) {
+    allocate_arenas();  // held until the step is finished (finish_deferred)
+    transport_->open_ready(static_cast<int64_t>(order_.size()));
+    if (!update_thread_) {
+      update_thread_ = std::make_unique<WorkerQueue>();
+      update_thread_id_ = update_thread_->thread_id();
+    }
+    // The pipeline runs on the update thread with this thread's thread-local
+    // state (grad mode, dispatch keys), below Python's dispatch keys: a
+    // Python mode active here must not make the update thread need the GIL,
+    // which a waiting caller may hold. Its failure is kept for the next wait.
+    // The caller's intra-op thread count too (OpenMP's is per thread).
+    auto job = [this, work = std::shared_ptr<Step>(work), state = at::ThreadLocalState(),
+                threads = at::get_num_threads()]() mutable {
+      const at::ThreadLocalStateGuard guard(state);
+      const c10::impl::ExcludeDispatchKeyGuard no_python(
+          c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+      if (at::get_num_threads() != threads) at::set_num_threads(threads);
+      try {
+        run_pipeline(*transport_, *work, slot_of_batch_);
+      } catch (...) {
+        work->failure = std::current_exception();
+      }
+      // deferred_ is then the last owner: the step, and any grad it still
+      // holds, is freed on a caller's thread, never here (freeing a tensor
+      // whose Python object outlived its last Python reference takes the GIL,
+      // which a thread waiting for this one may hold).
+      work.reset();
+      transport_->release_ready();  // wakes every waiter, also after a failure
+    };
+    try {
+      deferred_ticket_ = update_thread_->submit(std::move(job));
+    } catch (...) {
+      transport_->release_ready();
+      release_arenas();
+      throw;
+    }
+    deferred_ = work;
+    held_grad_bytes_ = grad_bytes;
+    return;
+  }
+  // CUDA: enqueued now on the update stream, which waits for the caller's
+  // stream first; a failure to enqueue shows here. The grads and snapshots
+  // stay the caller stream's: the step holds them until a wait has ordered
+  // that stream after their last reader (release_deferred_through).
+  transport_->enter_update_queue();
+  struct Leave {
+    Transport& transport;
+    ~Leave() { transport.leave_update_queue(); }
+  } leave{*transport_};
+  // Allocated on the update stream, which is current: the caching allocator
+  // hands their blocks out again only to later work on that stream.
+  allocate_arenas();
+  transport_->open_ready(static_cast<int64_t>(order_.size()));
+  try {
+    run_pipeline(*transport_, *work, slot_of_batch_);
+  } catch (...) {
+    rethrow_failure(*work, std::current_exception());
+  }
+  if (!options_.keep_arenas) {
+    // The update stream waited for every copy before the step's end, so
+    // freeing them now is in its order: the next deferred step's arenas are
+    // these blocks, however far the host runs ahead.
+    const int64_t live = stats_.staging_bytes;
+    release_arenas();
+    stats_.staging_bytes = live;  // still in use until the step is waited for
+  }
+  deferred_ = work;
+  held_grad_bytes_ = grad_bytes;
+}
+
+void SwapRuntime::release_deferred_through(int64_t position) {
+  if (position <= deferred_->released_through()) return;
+  transport_->order_release(position);
+  held_grad_bytes_ -= deferred_->release_through(position);
+}
+
+void SwapRuntime::finish_deferred() {
+  if (!deferred_) return;
+  if (update_thread_) update_thread_->wait_for(deferred_ticket_);
+  if (!deferred_->failure) release_deferred_through(static_cast<int64_t>(order_.size()) - 1);
+  const std::shared_ptr<Step> work = std::move(deferred_);
+  deferred_.reset();
+  held_grad_bytes_ = 0;
+  if (work->failure) rethrow_failure(*work, work->failure);
+  if (!options_.keep_arenas) release_arenas();
+}
+
+void SwapRuntime::wait_ready(int64_t position) {
+  if (stepping_thread_ == std::this_thread::get_id() || on_update_thread()) return;  // see wait_step
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  TORCH_CHECK_INDEX(position >= 0 && position < static_cast<int64_t>(order_.size()), "SwapRuntime: no batch at ",
+                    "position ", position, " of ", order_.size());
+  const c10::DeviceGuard guard(device_);
+  if (!deferred_) {
+    // Finished by a wait on another stream: on CUDA this one must still wait
+    // for the step's end (a no-op on the host, where finishing joined it).
+    if (step_pending_) transport_->wait(Queue::kCaller, kStepEndMarker);
+    return;
+  }
+  if (transport_->wait_ready(position)) {
+    finish_deferred();  // the step stopped short of it: raise why
+    return;
+  }
+  release_deferred_through(position);
+}
+
+bool SwapRuntime::has_deferred_step() const {
+  if (stepping_thread_ == std::this_thread::get_id() || on_update_thread()) return false;  // see wait_step
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  return deferred_ != nullptr;
+}
+
+void SwapRuntime::wait_step() {
+  // A signal handler inside this thread's own whole step (check_interrupt):
+  // that step began by finishing any deferred one, so nothing is deferred, and
+  // waiting for the step lock it holds would never end. Nor can the update
+  // thread wait for the step it runs (Python code in its update rule).
+  if (stepping_thread_ == std::this_thread::get_id() || on_update_thread()) return;
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  const c10::DeviceGuard guard(device_);
+  finish_deferred();
+  // CUDA: a stream wait, also when another stream's wait finished the step;
+  // host: the step has run.
+  if (step_pending_) transport_->wait(Queue::kCaller, kStepEndMarker);
+}
+
+}  // namespace swap_optimizer::runtime
