@@ -345,8 +345,21 @@ class SwapOptimizer(torch.optim.Optimizer):
 
     @_on_the_optimizer_itself
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102  (torch.optim API)
+        """The rule checks the whole state dict before anything is written
+        (a refused one changes nothing); the hooks registered on this
+        optimizer run as torch.optim runs them."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("SwapOptimizer.load_state_dict: expected an optimizer state dict with 'state' and "
+                             "'param_groups'")
         self._refuse_inside_step("load_state_dict")
+        state_dict = state_dict.copy()  # as torch: hooks and loading never change the caller's dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self._rule.load_state_dict(self, state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def _refuse_inside_step(self, what: str) -> None:
         """A signal handler runs inside step() (at a param boundary): reading

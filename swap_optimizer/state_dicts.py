@@ -13,7 +13,8 @@ from .compact import MOMENTS, dequantize, quantize
 from .distributed import _check_fsdp_8bit, _is_dtensor, _local, _local_part, _local_scales
 
 
-def _check_readable(value: torch.Tensor, where: str, key: str) -> None:
+def check_readable(value: torch.Tensor, where: str, key: str) -> None:
+    """Refuses a state tensor without data to read (meta) or not dense."""
     if value.is_meta or value.layout != torch.strided:
         kind = "a meta tensor (no data)" if value.is_meta else f"{value.layout} (not dense)"
         raise ValueError(f"{where}: '{key}' is {kind}; load a state dict of dense tensors with data")
@@ -21,7 +22,7 @@ def _check_readable(value: torch.Tensor, where: str, key: str) -> None:
 
 def _as_step_value(value: Any, where: str) -> float:
     if isinstance(value, torch.Tensor):
-        _check_readable(value, where, "step")
+        check_readable(value, where, "step")
         if value.numel() != 1:
             raise ValueError(f"{where}: 'step' must hold one number, got shape {tuple(value.shape)}")
         return float(value.item())
@@ -62,7 +63,7 @@ def checked_adam_state(param: torch.Tensor, entry: Any, amsgrad: bool, where: st
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             raise ValueError(f"{where}: '{key}' must be a floating-point tensor, got "
                              f"{getattr(value, 'dtype', type(value).__name__)}")
-        _check_readable(_local(value), where, key)
+        check_readable(_local(value), where, key)
         if value.shape != param.shape:
             raise ValueError(f"{where}: '{key}' has shape {tuple(value.shape)} but the param has shape "
                              f"{tuple(param.shape)}; the state dict belongs to another model")
@@ -86,7 +87,7 @@ def _checked_codes(param: torch.Tensor, entry: dict, moment: str, where: str) ->
                          f"elements) beside '{moment}_codes', got {getattr(absmax, 'dtype', type(absmax).__name__)} "
                          f"{tuple(getattr(absmax, 'shape', ()))}")
     for key, value in ((f"{moment}_codes", codes), (f"{moment}_absmax", absmax)):
-        _check_readable(_local(value), where, key)
+        check_readable(_local(value), where, key)
     if sharded:
         _check_fsdp_8bit(param, where)
         absmax = _local_scales(absmax, param, blocks, where, f"{moment}_absmax")

@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import swap_optimizer as so
-from conftest import DEVICES, requires_cuda
+from conftest import DEVICES, PACKED_KERNEL, requires_cuda
 from swap_training import build_model, params_of, plain_optimizer, round_trip, state_tensors, swap_optimizer, train
 
 TRAIN_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -159,17 +159,21 @@ def test_foreach_and_fused_are_accepted_and_change_nothing(flag, device):
 
 
 # ------------------------------------------------------------ item 9
-@pytest.mark.parametrize("inner_fused, unscale_in_step, advertised", [
-    (False, None, False), (True, None, True), (False, True, True), (True, False, False)])
-def test_in_step_unscaling_follows_the_wrapped_optimizer(inner_fused, unscale_in_step, advertised):
+@pytest.mark.parametrize("inner_fused, unscale_in_step, advertised, fields", [
+    (False, None, False, {}), (True, None, True, {}), (True, False, False, {}),
+    (False, True, True, PACKED_KERNEL), (False, None, False, PACKED_KERNEL)])
+def test_in_step_unscaling_follows_the_wrapped_optimizer(inner_fused, unscale_in_step, advertised, fields):
     """GradScaler hands step() its scale only when the wrapped optimizer would
-    take it (fused=True) or unscale_in_step says so: a plain AdamW is then
-    accepted where frameworks refuse in-step unscaling (Lightning's bf16-mixed
-    with gradient clipping)."""
+    take it (fused=True) or unscale_in_step says so; the packed kernel takes
+    it fused or not (a plain AdamW with fp32 states is then accepted where
+    frameworks refuse in-step unscaling: Lightning's bf16-mixed with gradient
+    clipping). torch's own update takes it only fused: refused otherwise."""
     model = build_model("mlp", "cpu")
-    fields = {} if unscale_in_step is None else dict(unscale_in_step=unscale_in_step)
+    fields = dict(fields, **({} if unscale_in_step is None else dict(unscale_in_step=unscale_in_step)))
     optimizer = so.SwapOptimizer(torch.optim.AdamW(model.parameters(), fused=inner_fused or None), **fields)
     assert optimizer._step_supports_amp_scaling is advertised
+    with pytest.raises(ValueError, match="takes GradScaler's scale and inf flag only in torch's fused Adam, AdamW"):
+        so.SwapOptimizer(torch.optim.AdamW(build_model("mlp", "cpu").parameters()), unscale_in_step=True)
 
 
 # ------------------------------------------------------------ item 10
@@ -419,7 +423,9 @@ def checkpoint_from_a_signal_handler(stop):
     import io
     import signal
     model = build_model("mlp", "cpu")
-    opt = swap_optimizer("adamw", model.parameters(), swap_times=4, min_numel=0)
+    # The packed kernel's step lets a handler run at a param boundary; torch's
+    # update holds signals until the step is done (test_rules.py's interrupt tests).
+    opt = swap_optimizer("adamw", model.parameters(), swap_times=4, min_numel=0, **PACKED_KERNEL)
     train("mlp", model, opt, 2, "cpu")
     params = list(model.parameters())
     before = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
@@ -521,7 +527,7 @@ def test_grad_scaler_through_a_copying_wrapper_skips_an_inf_step():
     framework wrapper): the optimizer itself must see them, or an inf step
     would be applied."""
     model = build_model("mlp", "cpu")
-    optimizer = swap_optimizer("adamw", model.parameters(), unscale_in_step=True)
+    optimizer = so.SwapOptimizer(torch.optim.AdamW(model.parameters(), fused=True), unscale_in_step=True)
     wrapped = CopyingWrapper(optimizer)
     assert wrapped._step_supports_amp_scaling and ForwardingWrapper(optimizer)._step_supports_amp_scaling
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)

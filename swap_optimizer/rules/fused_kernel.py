@@ -349,16 +349,8 @@ class PackedKernelRule:
     def load_state_dict(self, opt, state_dict: dict[str, Any]) -> None:
         """Checked whole (groups, amsgrad, code maps, every entry) before
         anything is written; then into the store, in its form."""
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("SwapOptimizer.load_state_dict: expected an optimizer state dict with 'state' and "
-                             "'param_groups'")
         opt.wait()
         self._follow_param_groups(opt, "load_state_dict")
-        state_dict = state_dict.copy()  # as torch: hooks and loading never change the caller's dict
-        for hook in opt._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(opt, state_dict)
-            if result is not None:
-                state_dict = result
         saved_groups = copy.deepcopy(state_dict["param_groups"])
         groups = opt.param_groups
         if len(saved_groups) != len(groups):
@@ -423,8 +415,6 @@ class PackedKernelRule:
             else:
                 state.pop(p, None)
         self._note_param_versions(opt)
-        for hook in opt._optimizer_load_state_dict_post_hooks.values():
-            hook(opt)
 
     def bookkeeping(self) -> dict:
         """What a store's layout does not hold: which params show a state."""

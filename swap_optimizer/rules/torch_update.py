@@ -18,6 +18,7 @@ from ..budget import Planning, copy_bytes
 from ..config import SwapOptimizerConfig
 from ..distributed import _is_dtensor, _like_param, _local, _local_part
 from ..params import check_distinct, check_overlap_params, check_params
+from ..state_dicts import check_readable
 from ..step_guards import signals_after_the_step
 from .declarations import (DECLARATIONS, ELEMENT, SCALAR, WHOLE, Declaration, estimated_temporaries)
 
@@ -681,11 +682,20 @@ class TorchUpdateRule:
     def load_state_dict(self, opt, state_dict: dict[str, Any]) -> None:
         """As torch.optim's (torch's own load casts the values, so a resume is
         that of the plain optimizer), then into the store."""
+        for saved_id, entry in state_dict["state"].items():  # before torch's load copies them
+            for key, value in entry.items() if isinstance(entry, dict) else ():
+                if torch.is_tensor(value):
+                    check_readable(value, f"SwapOptimizer.load_state_dict: param id {saved_id}", key)
         inner = self.optimizer
         opt._synchronize()
         saved_state, saved_groups = inner.state, inner.param_groups
         try:
             torch.optim.Optimizer.load_state_dict(inner, state_dict)  # torch's checks and casts; new groups
+            # (torch keeps a state whose id no saved group lists under that id; a store has no place for it)
+            stray = [key for key in inner.state if not torch.is_tensor(key)]
+            if stray:
+                raise ValueError(f"SwapOptimizer.load_state_dict: state for param id(s) {stray}, which no param "
+                                 "group of the state dict lists")
             loaded = {p: dict(entry) for p, entry in inner.state.items() if entry}
             inner.state = saved_state
             _check_groups(inner, self.declaration)
