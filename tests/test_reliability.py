@@ -23,9 +23,6 @@ import swap_optimizer as so
 from conftest import requires_cuda
 from swap_training import build_model, params_of, state_tensors, swap_optimizer, train
 
-FP32_TOL = dict(rtol=1e-5, atol=1e-6)
-BF16_TOL = dict(rtol=2.0 ** -6, atol=3e-4)
-
 
 def random_tensor(shape, seed, dtype):
     rng = np.random.default_rng(seed)
@@ -42,6 +39,7 @@ def setups(draw):
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
         adamw=draw(st.booleans()), amsgrad=draw(st.booleans()), maximize=draw(st.booleans()),
         weight_decay=draw(st.sampled_from([0.0, 0.05])),
+        implementation=draw(st.sampled_from([dict(foreach=False), dict(foreach=True), dict(fused=True)])),
         swap_times=draw(st.integers(1, 6)), num_arenas=draw(st.integers(2, 4)),
         min_numel=draw(st.sampled_from([0, 16, 1024])),
         drop=draw(st.lists(st.booleans(), min_size=4 * count, max_size=4 * count)),
@@ -52,8 +50,9 @@ def setups(draw):
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups())
 def test_random_setups_match_the_plain_optimizer(setup):
-    """Random shapes, dtypes, flags, swap_times, num_arenas, param-group splits,
-    and grads set to None at random: SwapOptimizer does what torch.optim does."""
+    """Random shapes, dtypes, flags, implementations (for-loop, foreach, fused),
+    swap_times, num_arenas, param-group splits, and grads set to None at
+    random: SwapOptimizer does what torch.optim does, bit for bit."""
     dtype, seed = setup["dtype"], setup["seed"]
     ours = [random_tensor(s, [seed, i], dtype).requires_grad_() for i, s in enumerate(setup["shapes"])]
     theirs = [p.detach().clone().requires_grad_() for p in ours]
@@ -63,11 +62,11 @@ def test_random_setups_match_the_plain_optimizer(setup):
         return [{"params": params[a:b], "lr": 1e-2 * (g + 1)} for g, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
     cls = torch.optim.AdamW if setup["adamw"] else torch.optim.Adam
-    flags = dict(weight_decay=setup["weight_decay"], amsgrad=setup["amsgrad"], maximize=setup["maximize"])
+    flags = dict(weight_decay=setup["weight_decay"], amsgrad=setup["amsgrad"], maximize=setup["maximize"],
+                 **setup["implementation"])
     optimizer = so.SwapOptimizer(cls(groups(ours), **flags), swap_times=setup["swap_times"],
                                  num_arenas=setup["num_arenas"], min_numel=setup["min_numel"])
-    plain = cls(groups(theirs), fused=dtype != torch.float32, foreach=False if dtype == torch.float32 else None,
-                **flags)
+    plain = cls(groups(theirs), **flags)
     for step in range(4):
         for i, (p, q) in enumerate(zip(ours, theirs)):
             if setup["drop"][step * len(ours) + i]:
@@ -77,7 +76,7 @@ def test_random_setups_match_the_plain_optimizer(setup):
                 q.grad = p.grad.clone()
         optimizer.step()
         plain.step()
-    tolerance = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    tolerance = dict(rtol=0, atol=0)  # bitwise: torch's own update with the same implementation
     for p, q in zip(ours, theirs):
         assert_close(p, q, **tolerance)
         if q in plain.state:

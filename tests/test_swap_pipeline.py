@@ -10,7 +10,7 @@
 import pytest
 import torch
 
-from conftest import DEVICES
+from conftest import DEVICES, PACKED_KERNEL
 from swap_training import (arena_bytes, assert_train_alike, build_model, params_of, plain_twin, state_tensors,
                            swap_optimizer, train)
 
@@ -55,7 +55,10 @@ def snapshot(optimizer, model):
 @pytest.mark.parametrize("fault", ["stage_in", "update", "interrupt"])
 def test_fault_at_each_batch_loses_nothing(fault, num_arenas, device):
     model = build_model("mlp", device)
-    optimizer = swap_optimizer("adamw", model.parameters(), swap_times=3, num_arenas=num_arenas, min_numel=100)
+    # (the packed kernel's pipeline: a signal lands at a param boundary; torch's
+    # update holds it until the step is done, tests/test_rules.py)
+    optimizer = swap_optimizer("adamw", model.parameters(), swap_times=3, num_arenas=num_arenas, min_numel=100,
+                               **PACKED_KERNEL)
     plan = optimizer._batch_plan()
     assert plan[0]["resident"] and len(plan) == 4
     train("mlp", model, optimizer, 3, device)
@@ -99,7 +102,8 @@ def test_fault_at_each_batch_loses_nothing(fault, num_arenas, device):
 @pytest.mark.parametrize("num_arenas", [2, 3])
 def test_memory_follows_the_formula_and_stays_flat(num_arenas, device):
     model = build_model("transformer", device)
-    optimizer = swap_optimizer("adamw", model.parameters(), swap_times=4, num_arenas=num_arenas)
+    # (the packed kernel's layout: its step table, no update temporaries)
+    optimizer = swap_optimizer("adamw", model.parameters(), swap_times=4, num_arenas=num_arenas, **PACKED_KERNEL)
     plan = optimizer._batch_plan()
     rotating = [b for b in plan if not b["resident"]]
     largest = max(b["arena_bytes"] for b in rotating)
@@ -141,12 +145,12 @@ def test_staging_budget_picks_the_smallest_swap_times_that_fits(device):
     model = build_model("transformer", device)
     sizes = {}
     for swap_times in range(1, 7):
-        probe = swap_optimizer("adamw", model.parameters(), swap_times=swap_times)
+        probe = swap_optimizer("adamw", model.parameters(), swap_times=swap_times, **PACKED_KERNEL)
         stats = probe.memory_stats()
         arenas = [b["arena_bytes"] for b in probe._batch_plan() if not b["resident"]]
         sizes[swap_times] = min(2, stats["batches"]) * max(arenas) + stats["step_table_bytes"]
     budget = sizes[4]
-    fitted = swap_optimizer("adamw", model.parameters(), staging_budget_bytes=budget)
+    fitted = swap_optimizer("adamw", model.parameters(), staging_budget_bytes=budget, **PACKED_KERNEL)
     chosen = fitted.memory_stats()["batches"]
     assert sizes[chosen] <= budget and all(sizes[k] > budget for k in range(1, chosen))
     train("transformer", model, fitted, 1, device)
