@@ -108,10 +108,11 @@ class OptimizerCase:
         """A maker of fresh params (random, never zeros; the same values at
         every call): a 2-D param whose states are cut into pieces (of at least
         64 KiB each) at swap_times 4, a 1-D one of one piece, and two small
-        ones; for only_2d three 2-D ones. None above 32,768 elements: larger
-        ones run torch's CPU kernels on several threads, which on a loaded
-        machine take milliseconds an op."""
-        shapes = [(32, 48), (24, 32), (16, 24)] if self.only_2d else [(128, 256), (16384,), (24, 20), (5,)]
+        ones; for only_2d three small 2-D ones. None above 32,768 elements,
+        and Muon's matrices below 32 x 32: larger ones run torch's CPU kernels
+        on several threads, which on a loaded machine take milliseconds an op
+        (a bf16 matmul of Muon's 10 ms instead of 0.1)."""
+        shapes = [(16, 24), (16, 20), (12, 16)] if self.only_2d else [(128, 256), (16384,), (24, 20), (5,)]
 
         def make():
             generator = torch.Generator().manual_seed(1)

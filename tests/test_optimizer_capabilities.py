@@ -99,8 +99,8 @@ def test_state_dict_round_trip_with_the_plain_optimizer(case, variant):
 def tiny_model(case):
     torch.manual_seed(0)
     bias = not case.only_2d
-    return nn.Sequential(nn.Linear(16, 48, bias=bias), nn.Tanh(), nn.Linear(48, 48, bias=bias), nn.Tanh(),
-                         nn.Linear(48, 8, bias=bias))
+    return nn.Sequential(nn.Linear(16, 24, bias=bias), nn.Tanh(), nn.Linear(24, 24, bias=bias), nn.Tanh(),
+                         nn.Linear(24, 8, bias=bias))
 
 
 def train_model(model, optimizer, steps):
