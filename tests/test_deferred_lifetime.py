@@ -16,7 +16,7 @@ import swap_optimizer as so
 from conftest import DEVICES
 from test_overlap import build, loss_of, tokens_for
 from test_overlap_rules import OPTIMIZERS
-from test_trusted_optimizers import Lion
+from optimizer_cases import Lion
 
 FAMILIES = {
     "AdamW": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),  # the packed fused kernel

@@ -10,7 +10,7 @@ import torch
 import swap_optimizer as so
 from conftest import DEVICES
 from test_overlap import assert_bitwise, build, snapshot, train
-from test_trusted_optimizers import Lion
+from optimizer_cases import Lion
 
 OPTIMIZERS = {
     "SGD": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01),

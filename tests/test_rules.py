@@ -15,6 +15,7 @@ from torch import nn
 
 import swap_optimizer as so
 from conftest import DEVICES, requires_cuda
+from pairs import assert_same_state, bits, give_grads, run_pair, same_bits
 
 # (class name, hyper-parameters): each keeps per-param state, and each runs
 # for-loop and foreach (and fused where torch has it) below.
@@ -53,55 +54,14 @@ def implementations(name):
     return kinds + ([dict(fused=True)] if name in FUSED else [])
 
 
-def give_grads(step, *param_lists):
-    generator = torch.Generator().manual_seed(100 + step)
-    for params in zip(*param_lists):
-        grad = torch.randn(params[0].shape, generator=generator).to(params[0].device, params[0].dtype)
-        for p in params:
-            p.grad = grad.clone()
+def torch_optimizer(name, kwargs):
+    return lambda params: getattr(torch.optim, name)(params, **kwargs)
 
 
-def bits(tensor):
-    """The tensor's bits, so that NaNs (fp16 RMSprop overflows) compare too."""
-    return tensor.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
-                                              8: torch.int64}[tensor.element_size()])
-
-
-def same_bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
-def assert_same_state(plain, swapped):
-    """Every state bitwise the plain optimizer's; scalars (0-dim) on the
-    device torch keeps them on, swapped states in host memory."""
-    ours, theirs = swapped.state_dict(), plain.state_dict()
-    swapped_keys = set(swapped.memory_stats()["swapped_state_keys"])
-    assert ours["state"].keys() == theirs["state"].keys()
-    for index, entry in theirs["state"].items():
-        assert ours["state"][index].keys() == entry.keys(), index
-        for key, value in entry.items():
-            mine = ours["state"][index][key]
-            if torch.is_tensor(value):
-                swapped_here = key in swapped_keys and value.dim() > 0
-                assert mine.device == (torch.device("cpu") if swapped_here else value.device), (index, key)
-                assert same_bits(mine.cpu(), value.cpu()), (index, key)
-            else:
-                assert mine == value, (index, key)
-
-
-def run_pair(name, kwargs, steps=STEPS, dtype=torch.float32, device="cpu", **settings):
-    cls = getattr(torch.optim, name)
-    a, b = make_params(name, dtype, device), make_params(name, dtype, device)
-    plain = cls(a, **kwargs)
-    swapped = so.SwapOptimizer(cls(b, **kwargs), min_numel=0, **settings)
-    for step in range(steps):
-        give_grads(step, a, b)
-        plain.step()
-        swapped.step()
-    for p, q in zip(a, b):
-        assert same_bits(p, q)
-    assert_same_state(plain, swapped)
-    return plain, swapped
+def run_rule_pair(name, kwargs, steps=STEPS, dtype=torch.float32, device="cpu", **settings):
+    """The plain optimizer and the wrapped one over make_params(name): bitwise."""
+    return run_pair(torch_optimizer(name, kwargs), lambda: make_params(name, dtype, device), steps, exact=True,
+                    **settings)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -113,8 +73,8 @@ def test_bitwise_equal_to_the_plain_optimizer(name, kwargs, device):
     for implementation in implementations(name):
         for swap_times in (1, 2, 4, 16):
             for num_arenas in (2, 3):
-                _, swapped = run_pair(name, dict(kwargs, **implementation), swap_times=swap_times,
-                                      num_arenas=num_arenas, device=device)
+                swapped = run_rule_pair(name, dict(kwargs, **implementation), swap_times=swap_times,
+                                        num_arenas=num_arenas, device=device).swapped
                 stats = swapped.memory_stats()
                 if name in WHOLE or swap_times == 1:
                     assert stats["split_params"] == 0
@@ -127,7 +87,7 @@ def test_bitwise_equal_to_the_plain_optimizer(name, kwargs, device):
 def test_16_bit_params(name, device):
     kwargs = dict(next(k for n, k in CASES if n == name))
     for dtype in (torch.bfloat16, torch.float16):
-        _, swapped = run_pair(name, kwargs, steps=8, dtype=dtype, swap_times=4, device=device)
+        swapped = run_rule_pair(name, kwargs, steps=8, dtype=dtype, swap_times=4, device=device).swapped
         if device == "cpu":
             # torch's own CPU result for 16-bit params may depend on how its
             # threads share a tensor: these rules never cut them on the CPU.
@@ -409,7 +369,7 @@ def test_state_dict_round_trips_with_the_plain_optimizer():
 
 
 def test_no_state_means_nothing_to_swap():
-    _, swapped = run_pair("SGD", dict(lr=0.1), steps=3, swap_times=4)
+    swapped = run_rule_pair("SGD", dict(lr=0.1), steps=3, swap_times=4).swapped
     stats = swapped.memory_stats()
     assert stats["host_state_bytes"] == 0 and stats["batches"] == 0 and stats["swapped_state_keys"] == []
     assert swapped.state_dict()["state"] == {}
@@ -545,7 +505,7 @@ def test_float64_and_complex_params_are_refused(dtype, message):
 def test_state_keys_keep_the_others_on_the_device():
     """state_keys names the wrapped optimizer's states: the ones not named stay
     resident, and the results do not change."""
-    _, swapped = run_pair("RMSprop", CASES[3][1], steps=5, swap_times=4, state_keys=("square_avg",))
+    swapped = run_rule_pair("RMSprop", CASES[3][1], steps=5, swap_times=4, state_keys=("square_avg",)).swapped
     assert swapped.memory_stats()["swapped_state_keys"] == ["square_avg"]
     assert swapped.memory_stats()["resident_state_bytes"] > 0
 

@@ -8,7 +8,7 @@ import torch
 import swap_optimizer as so
 from conftest import PACKED_KERNEL
 from swap_training import build_model, loss_of, params_of, state_tensors, swap_optimizer, train
-from test_trusted_optimizers import Lion
+from optimizer_cases import Lion
 
 
 def params(n=2048, count=2):

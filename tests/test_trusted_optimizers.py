@@ -11,7 +11,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import swap_optimizer as so
 from conftest import DEVICES
-from test_rules import assert_same_state, bits, give_grads, same_bits
+from optimizer_cases import Lion
+from pairs import assert_same_state, bits, give_grads, run_pair, same_bits
 
 SHAPES = [(256, 700), (70000,), (64, 300), (5,)]  # the first two are large enough to be cut into pieces
 
@@ -19,32 +20,6 @@ SHAPES = [(256, 700), (70000,), (64, 300), (5,)]  # the first two are large enou
 def make_params(dtype=torch.float32, device="cpu"):
     generator = torch.Generator().manual_seed(1)
     return [nn.Parameter(torch.randn(*s, generator=generator).to(device, dtype)) for s in SHAPES]
-
-
-class Lion(torch.optim.Optimizer):
-    """Lion written by hand: one param-shaped state, elementwise."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    def grad_of(self, p):
-        return p.grad
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = self.grad_of(p)
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                update = state["exp_avg"].mul(beta1).add_(grad, alpha=1 - beta1).sign_()
-                p.add_(update, alpha=-group["lr"])
-                state["exp_avg"].mul_(beta2).add_(grad, alpha=1 - beta2)
 
 
 class RowScaled(torch.optim.Optimizer):
@@ -84,19 +59,11 @@ class GroupCounter(Lion):
         super().step(closure)
 
 
-def run_pair(make, steps=6, device="cpu", dtype=torch.float32, **settings):
-    a, b = make_params(dtype, device), make_params(dtype, device)
-    plain, wrapped = make(a), make(b)
-    swapped = so.SwapOptimizer(wrapped, min_numel=0, trust_per_param_step=True, **settings)
-    for step in range(steps):
-        give_grads(step, a, b)
-        plain.step()
-        swapped.step()
-    for p, q in zip(a, b):
-        assert same_bits(p, q)
-    assert swapped.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
-    assert_same_state(plain, swapped)
-    return plain, swapped
+def vouched_pair(make, steps=6, device="cpu", dtype=torch.float32, **settings):
+    """The plain optimizer and the wrapped one (trust_per_param_step) over
+    make_params: bitwise, param groups included."""
+    return run_pair(make, lambda: make_params(dtype, device), steps, exact=True, trust_per_param_step=True,
+                    **settings)
 
 
 def test_refused_by_default_with_the_setting_named():
@@ -115,8 +82,8 @@ def test_a_hand_written_lion_is_bitwise_the_plain_one(device, elementwise):
     into pieces only with the second promise."""
     for swap_times in (1, 2, 4, 16):
         for num_arenas in (2, 3):
-            _, swapped = run_pair(Lion, device=device, swap_times=swap_times, num_arenas=num_arenas,
-                                  trust_elementwise_step=elementwise)
+            swapped = vouched_pair(Lion, device=device, swap_times=swap_times, num_arenas=num_arenas,
+                                  trust_elementwise_step=elementwise).swapped
             stats = swapped.memory_stats()
             assert stats["swapped_state_keys"] == ["exp_avg"]
             assert (stats["split_params"] >= 1) == (elementwise and swap_times > 1)
@@ -128,7 +95,7 @@ def test_learned_states_of_every_kind(device, dtype):
     """fp32 moments of bf16 params, whole per-row states, 0-dim tensors and
     numbers: bitwise, whole states never cut, scalars kept where torch keeps
     them."""
-    _, swapped = run_pair(RowScaled, device=device, dtype=dtype, swap_times=4, trust_elementwise_step=True)
+    swapped = vouched_pair(RowScaled, device=device, dtype=dtype, swap_times=4, trust_elementwise_step=True).swapped
     stats = swapped.memory_stats()
     assert stats["split_params"] == 0  # every param keeps a whole state
     assert stats["swapped_state_keys"] == ["moment", "row_scale"]
@@ -140,7 +107,7 @@ def test_learned_states_of_every_kind(device, dtype):
 def test_a_group_value_the_step_writes_the_same_from_every_call():
     """timm's Adan keeps a step counter in the param group: every batch call
     writes the same value, which the group then holds, as the plain one."""
-    plain, swapped = run_pair(GroupCounter, swap_times=4, trust_elementwise_step=True)
+    plain, swapped, *_ = vouched_pair(GroupCounter, swap_times=4, trust_elementwise_step=True)
     assert swapped.param_groups[0]["step"] == plain.param_groups[0]["step"] == 6
 
 
@@ -267,7 +234,7 @@ def test_what_breaks_the_contract_is_refused_at_the_first_step_and_changes_nothi
 
 
 def test_trust_ratio_without_the_elementwise_promise_runs_whole():
-    _, swapped = run_pair(TrustRatio, swap_times=4)
+    swapped = vouched_pair(TrustRatio, swap_times=4).swapped
     assert swapped.memory_stats()["split_params"] == 0
 
 
@@ -447,7 +414,7 @@ def test_what_the_probe_sees_over_two_updates_is_refused(make, message):
 def test_a_group_tensor_changed_in_place_counts_once_per_step():
     """Every call starts from a copy of the group's tensor: after 3 steps the
     group holds 3, as the plain optimizer's does."""
-    plain, swapped = run_pair(GroupTensorCounter, steps=3, swap_times=4, trust_elementwise_step=True)
+    plain, swapped, *_ = vouched_pair(GroupTensorCounter, steps=3, swap_times=4, trust_elementwise_step=True)
     assert swapped.param_groups[0]["count"].item() == plain.param_groups[0]["count"].item() == 3
 
 
@@ -483,7 +450,7 @@ class SignDescent(torch.optim.Optimizer):
 def test_a_stateless_optimizer_is_learned_once():
     """Its first update shows it keeps nothing: later steps run through the
     pipeline (one resident batch), not the first-update path again."""
-    _, swapped = run_pair(SignDescent, steps=1, swap_times=4)
+    swapped = vouched_pair(SignDescent, steps=1, swap_times=4).swapped
     runtime = swapped._runtime
     params = swapped.param_groups[0]["params"]
     for step in range(1, 3):
@@ -587,8 +554,8 @@ def test_a_device_budget_keeps_part_of_a_vouched_for_optimizers_state_resident(d
     call's temporaries), all swapped 0.86 MB."""
     slow_link = so.StepCostModel(1e9, 1e9, 1.6e9, 1e11, batch_seconds=20e-6, step_seconds=100e-6)
     budget = 2_500_000
-    _, swapped = run_pair(Lion, device=device, swap_times=8, num_arenas=2, trust_elementwise_step=True,
-                          device_budget_bytes=budget, cost_model=slow_link)
+    swapped = vouched_pair(Lion, device=device, swap_times=8, num_arenas=2, trust_elementwise_step=True,
+                          device_budget_bytes=budget, cost_model=slow_link).swapped
     stats = swapped.memory_stats()
     assert 0 < stats["resident_share"] < 1 and stats["plan"]["device_bytes"]["total"] <= budget
     assert stats["resident_state_bytes"] + stats["peak_staging_bytes"] + stats["update_temporary_bytes"] <= budget
@@ -612,7 +579,7 @@ class MaskedLion(Lion):
 def test_a_state_made_in_init_is_kept_and_stays_bitwise(elementwise):
     """The first update of each param runs whole, from the state it already
     has (the probe's copies too): the mask is kept beside the moment."""
-    plain, swapped = run_pair(lambda ps: MaskedLion(ps), swap_times=4, trust_elementwise_step=elementwise)
+    plain, swapped, *_ = vouched_pair(lambda ps: MaskedLion(ps), swap_times=4, trust_elementwise_step=elementwise)
     assert all(set(entry) == {"mask", "exp_avg"} for entry in swapped.state.values())
     assert swapped.memory_stats()["swapped_state_keys"] == ["mask", "exp_avg"]
 
@@ -665,7 +632,7 @@ class TupleCounter(Lion):
 def test_a_tensor_inside_a_tuple_group_value_changed_in_place_is_followed():
     """Each call gets its own copy of the tuple; what the calls write into it
     (the same in every call) becomes the group's, as in the plain run."""
-    plain, swapped = run_pair(lambda ps: TupleCounter(ps), steps=4, swap_times=2)
+    plain, swapped, *_ = vouched_pair(lambda ps: TupleCounter(ps), steps=4, swap_times=2)
     assert swapped.param_groups[0]["count"][0].item() == plain.param_groups[0]["count"][0].item() == 4
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import swap_optimizer as so
-from test_rules import give_grads, same_bits
+from pairs import give_grads, same_bits
 
 pytestmark = pytest.mark.slow
 
