@@ -64,8 +64,21 @@ def run_rule_pair(name, kwargs, steps=STEPS, dtype=torch.float32, device="cpu", 
                     **settings)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name,kwargs", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def bitwise_rows():
+    """(name, kwargs, device) per case and device, ids "<name>-<case>-<device>".
+    Adam/AdamW on the CPU go to the slow tier: in the default one the
+    capability table (test_optimizer_capabilities.py) runs their parity for
+    every implementation and dtype, split, overlap, budget and faults."""
+    rows = []
+    for i, (name, kwargs) in enumerate(CASES):
+        for device in DEVICES:
+            (value,) = device.values
+            slow = [pytest.mark.slow] if name in ("Adam", "AdamW") and value == "cpu" else []
+            rows.append(pytest.param(name, kwargs, value, id=f"{name}-{i}-{device.id}", marks=[*device.marks, *slow]))
+    return rows
+
+
+@pytest.mark.parametrize("name,kwargs,device", bitwise_rows())
 def test_bitwise_equal_to_the_plain_optimizer(name, kwargs, device):
     """20 steps for every implementation torch offers, across swap_times
     {1, 2, 4, 16} x num_arenas {2, 3}: params and states bitwise equal (no
@@ -111,7 +124,7 @@ def cut_16_bit_results(names=("Adam", "AdamW")):
                         torch.set_num_threads(count)
                         key = f"{name}-{implementation}-{dtype}-{count}"
                         try:
-                            _, swapped = run_pair(name, dict(kwargs, **implementation), steps=6, dtype=dtype,
+                            _, swapped = run_rule_pair(name, dict(kwargs, **implementation), steps=6, dtype=dtype,
                                                   swap_times=8)
                             results[key] = "cut" if swapped.memory_stats()["split_params"] >= 1 else "not cut"
                         except AssertionError:

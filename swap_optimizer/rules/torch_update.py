@@ -15,6 +15,7 @@ import torch
 
 from .. import _C
 from ..budget import Planning, copy_bytes
+from ..compact import FORMAT_KEY, dequantize_state_dict
 from ..config import SwapOptimizerConfig
 from ..distributed import _is_dtensor, _like_param, _local, _local_part
 from ..params import check_distinct, check_overlap_params, check_params
@@ -682,6 +683,9 @@ class TorchUpdateRule:
     def load_state_dict(self, opt, state_dict: dict[str, Any]) -> None:
         """As torch.optim's (torch's own load casts the values, so a resume is
         that of the plain optimizer), then into the store."""
+        if any(FORMAT_KEY in group for group in state_dict["param_groups"]):
+            # compact states saved by the packed kernel: decoded to torch's format, as dequantize_state_dict does
+            state_dict = dequantize_state_dict(state_dict)
         for saved_id, entry in state_dict["state"].items():  # before torch's load copies them
             for key, value in entry.items() if isinstance(entry, dict) else ():
                 if torch.is_tensor(value):
