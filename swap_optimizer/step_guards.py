@@ -43,20 +43,31 @@ def signals_after_the_step():
     new plan, would leave it partly written. Meanwhile the Python handlers of
     the usual signals only note the signal; once the work is done each noted
     signal is raised again for its own handler. (Handlers run on the main
-    thread only: work on another thread is never interrupted.)"""
+    thread only: work on another thread is never interrupted.) A handler
+    wrapped meanwhile (an overlapped step's wait-first wrapper, installed by
+    the step itself: it keeps the handler it wraps in `.handler`) keeps its
+    wrapper, around the handler it had before."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     noted, saved = [], {}
+
+    def note(received, frame):
+        noted.append(received)
+
     for signum in HANDLED_SIGNALS:
         handler = signal.getsignal(signum)
         if callable(handler):
             saved[signum] = handler
-            signal.signal(signum, lambda received, frame: noted.append(received))
+            signal.signal(signum, note)
     try:
         yield
     finally:
         for signum, handler in saved.items():
+            now = signal.getsignal(signum)
+            if getattr(now, "handler", None) is note:
+                now.handler = handler
+                handler = now
             signal.signal(signum, handler)
         for signum in noted:
             signal.raise_signal(signum)
