@@ -253,9 +253,9 @@ def test_resident_share_sweep_moves_less_as_the_share_rises(tmp_path, monkeypatc
     # Share 0 is the budget of the plan without one: the same plan as the plain mode.
     assert (sweep[0]["h2d_bytes"], sweep[0]["resident_share"]) == (rows["swap s8 a2"]["h2d_bytes"],
                                                                    rows["swap s8 a2"]["resident_share"])
-    # Share 1: every state resident, no batch; the step table alone still moves each way.
+    # Share 1: every state resident, no batch; at most a step table (the packed kernel's) still moves.
     final = sweep[2]
     assert final["resident_share"] == pytest.approx(1.0, abs=1e-3) and final["batches"] == 0
-    assert 0 < final["h2d_bytes"] == final["d2h_bytes"] == final["host_bytes"] <= final["step_table_bytes"]
+    assert 0 <= final["h2d_bytes"] == final["d2h_bytes"] == final["host_bytes"] <= final["step_table_bytes"]
     out = capsys.readouterr().out
     assert "| swap s8 a2 share 0.5 |" in out and "predicted step() ms" in out and "step() vs resident" in out

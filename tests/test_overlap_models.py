@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import swap_optimizer as so
-from conftest import DEVICES
+from conftest import PACKED_KERNEL, DEVICES
 
 VOCAB, WIDTH, STEPS = 64, 32, 5
 
@@ -182,7 +182,10 @@ def make_optimizer(model, overlap, delay_us=300, own_batches=False):
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     extra = dict(model=model, overlap_forward=True) if overlap else {}
     swap_times = len(list(model.parameters())) if own_batches else 6
-    optimizer = so.SwapOptimizer(inner, swap_times=swap_times, num_arenas=3, min_numel=0, **extra)
+    # The packed kernel: the negative controls (a wait knocked out must change
+    # the results) are timed on its updates' lag; torch's update runs the same
+    # protocol (tests/test_overlap_rules.py, and overlapped_pair below).
+    optimizer = so.SwapOptimizer(inner, swap_times=swap_times, num_arenas=3, min_numel=0, **extra, **PACKED_KERNEL)
     if own_batches:
         assert all(len(batch["params"]) == 1 for batch in optimizer._batch_plan())
     if overlap:

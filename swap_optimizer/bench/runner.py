@@ -208,12 +208,15 @@ def budget_for_share(probe: SwapOptimizer, share: float) -> int:
     """The device budget that keeps about `share` of the swappable state
     resident at the probe's swap_times and num_arenas: the device bytes of the
     probe's plan (nothing resident beyond min_numel and state_keys) plus that
-    share of the state it swaps (its host store less the step table). The
+    share of the state it swaps (its host store less the step table), twice
+    for torch's update, which makes a param's states on the device at its
+    first step before they go into the store (the budget counts them). The
     planner fills the room param by param, and what it adds shrinks the
     arenas, so the share it reaches is near the target, not equal."""
     stats = probe.memory_stats()
     swappable_bytes = stats["host_state_bytes"] - stats["step_table_bytes"]
-    return probe.plan_report()["chosen"]["device_bytes"] + round(share * swappable_bytes)
+    made_at_first_step = "swapped_state_keys" in stats  # (torch's update reports its swapped keys)
+    return probe.plan_report()["chosen"]["device_bytes"] + round(share * swappable_bytes) * (1 + made_at_first_step)
 
 
 def swap_optimizer(make_inner: Callable[[], torch.optim.Optimizer], mode: Mode, **fields) -> SwapOptimizer:
