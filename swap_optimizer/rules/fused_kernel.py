@@ -427,6 +427,9 @@ class PackedKernelRule:
         for hook in opt._optimizer_load_state_dict_post_hooks.values():
             hook(opt)
 
+    def step_waited(self, opt, failed: bool = False) -> None:
+        """Nothing: the kernel's step writes no param group."""
+
     def bookkeeping(self) -> dict:
         """What a store's layout does not hold: which params show a state."""
         return dict(shown=list(self._shown))

@@ -13,7 +13,7 @@ import torch
 
 from ..distributed import _is_dtensor
 from .declarations import ELEMENT, SCALAR, WHOLE, Declaration
-from .torch_update import TorchUpdateRule, _copied, _fresh, _keep_scalar, _Kept, run_torch_update
+from .torch_update import TorchUpdateRule, _copied, _fingerprint, _fresh, _keep_scalar, _Kept, run_torch_update
 
 
 
@@ -101,6 +101,90 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
+class _GroupWrites:
+    """A vouched-for optimizer's param groups over one step: each call starts
+    from a copy of its group as it was at step() (call_group), and what the
+    calls write into it must be the same from every call (note); the groups
+    get it once the step is done. A step's context holds this, never the
+    rule: a deferred step runs on without it."""
+
+    def __init__(self, name: str, groups: list[dict], step_groups: list[dict]) -> None:
+        self.name = name
+        self.groups = groups            # the param groups themselves, which get the writes
+        self.step_groups = step_groups  # copies of their values at step()
+        self.written: dict[int, dict] = {}
+
+    def call_group(self, g: int, params: list) -> tuple[dict, dict]:
+        """A call's copy of param group `g` as it was before the step, holding
+        `params`, and what it started from (key -> value)."""
+        group = {key: _fresh(value) for key, value in self.step_groups[g].items()}
+        start = dict(group)
+        group["params"] = params
+        return group, start
+
+    def note(self, g: int, call_group: dict, start: dict) -> None:
+        """What a call wrote into its copy of param group `g` (a value set,
+        or a tensor or container changed in place): every call must write the
+        same (a group step counter, as timm's Adan keeps); a value that differs
+        between calls was computed over the params of the call. (A tensor
+        written there is compared on the host: a wait per call.)"""
+        written = {}
+        for key, value in call_group.items():
+            if key == "params":
+                continue
+            # A tensor or container the call got as a copy may have changed in
+            # place: compared by value with the group's (the runtime's calls run
+            # in inference mode, where a copy's version counter says nothing).
+            if key not in start or value is not start[key] or (
+                    (torch.is_tensor(value) or isinstance(value, (list, tuple, dict, set)))
+                    and not _same_value(value, self.step_groups[g][key])):
+                written[key] = value
+        removed = sorted(set(start) - set(call_group))
+        if removed:
+            raise RuntimeError(f"SwapOptimizer: {self.name}'s step removed {removed} from param group {g}; "
+                               "SwapOptimizer runs the step batch by batch and cannot follow that. This "
+                               "optimizer cannot be wrapped; keep its state on the device")
+        first = self.written.setdefault(g, written)  # the first call's writes: every other must match
+        for key in first.keys() | written.keys():
+            unwritten = self.step_groups[g].get(key, "(no value)")  # what a call that did not write it leaves
+            a, b = first.get(key, unwritten), written.get(key, unwritten)
+            if a is not b and not _same_value(a, b):
+                raise RuntimeError(
+                    f"SwapOptimizer: {self.name}'s step wrote param group {g}'s '{key}' as "
+                    f"{a!r} in one call and {b!r} in another: the value is computed over the params of the call "
+                    "(as Prodigy's d is), so the step combines params and cannot run batch by batch. This "
+                    "optimizer cannot be wrapped; keep its state on the device")
+
+    def any(self) -> bool:
+        """Whether a call wrote a value into its group."""
+        return any(self.written.values())
+
+    def apply(self, before: Optional[list] = None) -> None:
+        """Into the groups, what the calls wrote (a tensor copied again: one
+        made in a call is an inference tensor). before: per group, the
+        fingerprints of its values at step(), for a deferred step whose writes
+        land when it is waited for: a value changed since step() was changed
+        after the step in the plain optimizer's order, and is kept."""
+        for g, written in self.written.items():
+            group = self.groups[g]
+            for key, value in written.items():
+                if before is not None and (_fingerprint(group[key]) if key in group else None) != before[g].get(key):
+                    continue
+                group[key] = value.clone() if torch.is_tensor(value) else value
+
+
+def _holds_device_tensor(value: Any) -> bool:
+    """Whether a group value is or holds a tensor off the CPU (comparing it on
+    the host would wait for the device)."""
+    if torch.is_tensor(value):
+        return value.device.type != "cpu"
+    if isinstance(value, (list, tuple, set)):
+        return any(_holds_device_tensor(item) for item in value)
+    if isinstance(value, dict):
+        return any(_holds_device_tensor(item) for item in value.values())
+    return False
+
+
 class VouchedForRule(TorchUpdateRule):
     """torch's update of an optimizer wrapped on the user's word: each param's
     states are learned from what its first update (whole, on its own) keeps,
@@ -117,12 +201,35 @@ class VouchedForRule(TorchUpdateRule):
         # __init__, loaded, or eager in add_param_group): their next update
         # runs whole, from that state, to learn all they keep.
         self._not_updated: set = set()
+        self._wrote_groups = False  # whether the last step done wrote a value into its param groups
+        self._writes: Optional[_GroupWrites] = None  # this step's
 
     def check_params(self, params: list) -> None:
         if any(_is_dtensor(p) for p in params):
             raise ValueError(f"SwapOptimizer: {type(self.optimizer).__name__} (wrapped on trust_per_param_step) "
                              "with DTensor params (FSDP2) is not supported yet; keep this optimizer's state on the "
                              "device")
+
+    def _step_writes(self, opt) -> _GroupWrites:
+        self._writes = _GroupWrites(type(self.optimizer).__name__, list(opt.param_groups), self._step_groups)
+        return self._writes
+
+    def _may_defer(self, params: list, grads: list, first: list[int]) -> bool:
+        """A vouched-for step runs beside the next forward once it learns and
+        probes nothing (every param with a grad has stepped, the contract of
+        each group and dimensionality is probed), as long as the last step
+        wrote nothing into its groups (a step that does, as timm's Adan's
+        counter, runs inside step(), so the groups hold its values when
+        step() returns) and no group holds a device tensor (the calls compare
+        group values on the host)."""
+        return not first and not self._wrote_groups and \
+            not self._to_probe(params, [i for i, grad in enumerate(grads) if grad is not None]) and \
+            not any(_holds_device_tensor(value) for group in self._step_groups for value in group.values())
+
+    def _groups_written(self, writes: Optional[_GroupWrites], before: Optional[list] = None) -> None:
+        if writes is not None:
+            writes.apply(before)
+            self._wrote_groups = writes.any()
 
     def start(self, opt, existing: dict) -> None:
         """The states the optimizer made already (in its __init__) must be on
@@ -170,13 +277,13 @@ class VouchedForRule(TorchUpdateRule):
             for i in first:
                 param = params[i]
                 start_state = self._start_state(i, param)  # before the param changes
-                backups.append((param, param.detach().to("cpu", copy=True)))
                 piece = param.detach()
+                backups.append((piece, piece.to("cpu", copy=True)))
                 piece.grad = grads[i].clone()  # the call may change it in place; a refusal must not
                 state = {piece: start_state}
-                call_group, start = self._call_group(self._group_of[i], [piece])
+                call_group, start = self._writes.call_group(self._group_of[i], [piece])
                 run_torch_update(self.optimizer, [call_group], state, strict=True)
-                self._note_groups_after(self._group_of[i], call_group, start)
+                self._writes.note(self._group_of[i], call_group, start)
                 updated[i] = state[piece]
                 layouts[i] = _learn_layout(i, param, updated[i], name, check_device=True)  # refuses the unstreamable
                 if not updated[i]:
@@ -188,8 +295,8 @@ class VouchedForRule(TorchUpdateRule):
                                        else value for key, value in entry.items()} for i, entry in updated.items()}
                 self._lay_out(opt, {**self._kept_state(opt), **entries})
         except BaseException:
-            for param, backup in backups:
-                param.detach().copy_(backup)
+            for piece, backup in backups:
+                piece.copy_(backup)
             raise
         self._stateless.update(stateless)
         self._not_updated -= {id(params[i]) for i in first}
@@ -229,11 +336,7 @@ class VouchedForRule(TorchUpdateRule):
         random number streams are left as they were. A check, not a proof
         (docs/usage.md)."""
         name = type(self.optimizer).__name__
-        smallest: dict[tuple, int] = {}
-        for i in candidates:
-            key = (self._group_of[i], params[i].dim())
-            if key not in self._probed and (key not in smallest or params[i].numel() < params[smallest[key]].numel()):
-                smallest[key] = i
+        smallest = self._to_probe(params, candidates)
         # The probe's random draws leave the user's streams as they were.
         devices = sorted({params[i].device.index or 0 for i in smallest.values()
                           if params[i].device.type == "cuda"})
@@ -264,6 +367,16 @@ class VouchedForRule(TorchUpdateRule):
                         and all(s.kind == ELEMENT for s in layout if s.kind != SCALAR):
                     self._probe_cut(key[0], i, value, grads_by_step, alone, start)
                 self._probed.add(key)
+
+    def _to_probe(self, params: list, candidates: list[int]) -> dict[tuple, int]:
+        """(group, dimensionality) -> the param of `candidates` the probe takes
+        for it, for those not probed yet: the smallest."""
+        smallest: dict[tuple, int] = {}
+        for i in candidates:
+            key = (self._group_of[i], params[i].dim())
+            if key not in self._probed and (key not in smallest or params[i].numel() < params[smallest[key]].numel()):
+                smallest[key] = i
+        return smallest
 
     def _probe_cut(self, g: int, index: int, value: torch.Tensor, grads_by_step: list, alone: tuple,
                    start: dict) -> None:
@@ -311,7 +424,7 @@ class VouchedForRule(TorchUpdateRule):
         grads_by_step (their grads): each copy after them, and its state."""
         pieces = [value.clone() for value in values]
         state = {piece: _copied(start) for piece, start in zip(pieces, starts)}
-        group, _ = self._call_group(g, pieces)  # what one update writes, the next reads
+        group, _ = self._writes.call_group(g, pieces)  # what one update writes, the next reads
         for number, step_grads in enumerate(grads_by_step):
             for piece, grad in zip(pieces, step_grads):
                 piece.grad = grad.clone()
@@ -325,44 +438,3 @@ class VouchedForRule(TorchUpdateRule):
                                    "param has after its first update, as torch.optim does. This optimizer cannot be "
                                    "wrapped; keep its state on the device")
         return [(piece, state[piece]) for piece in pieces]
-
-    def _call_group(self, g: int, params: list) -> tuple[dict, dict]:
-        """A call's copy of param group `g` as it was before the step, holding
-        `params`, and what it started from (key -> value)."""
-        group = {key: _fresh(value) for key, value in self._step_groups[g].items()}
-        start = dict(group)
-        group["params"] = params
-        return group, start
-
-    def _note_groups_after(self, g: int, call_group: dict, start: dict) -> None:
-        """What a call wrote into its copy of param group `g` (a value set,
-        or a tensor or container changed in place): every call must write the
-        same (a group step counter, as timm's Adan keeps); a value that differs
-        between calls was computed over the params of the call. (A tensor
-        written there is compared on the host: a wait per call.)"""
-        written = {}
-        for key, value in call_group.items():
-            if key == "params":
-                continue
-            # A tensor or container the call got as a copy may have changed in
-            # place: compared by value with the group's (the runtime's calls run
-            # in inference mode, where a copy's version counter says nothing).
-            if key not in start or value is not start[key] or (
-                    (torch.is_tensor(value) or isinstance(value, (list, tuple, dict, set)))
-                    and not _same_value(value, self._step_groups[g][key])):
-                written[key] = value
-        removed = sorted(set(start) - set(call_group))
-        if removed:
-            raise RuntimeError(f"SwapOptimizer: {type(self.optimizer).__name__}'s step removed {removed} from param "
-                               f"group {g}; SwapOptimizer runs the step batch by batch and cannot follow that. This "
-                               "optimizer cannot be wrapped; keep its state on the device")
-        first = self._groups_after.setdefault(g, written)  # the first call's writes: every other must match
-        for key in first.keys() | written.keys():
-            unwritten = self._step_groups[g].get(key, "(no value)")  # what a call that did not write it leaves
-            a, b = first.get(key, unwritten), written.get(key, unwritten)
-            if a is not b and not _same_value(a, b):
-                raise RuntimeError(
-                    f"SwapOptimizer: {type(self.optimizer).__name__}'s step wrote param group {g}'s '{key}' as "
-                    f"{a!r} in one call and {b!r} in another: the value is computed over the params of the call "
-                    "(as Prodigy's d is), so the step combines params and cannot run batch by batch. This "
-                    "optimizer cannot be wrapped; keep its state on the device")
