@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..distributed import _is_dtensor
+from ..distributed import _is_dtensor, _like_param, _local
 from .declarations import ELEMENT, SCALAR, WHOLE, Declaration
 from .torch_update import TorchUpdateRule, _copied, _fingerprint, _fresh, _keep_scalar, _Kept, run_torch_update
 
@@ -42,8 +42,14 @@ def _learn_layout(index: int, param: torch.Tensor, entry: dict, name: str,
     param-shaped tensors are element states, other tensors whole ones, 0-dim
     tensors and numbers scalars (kept where they are). check_device: the
     entry comes from the optimizer itself (not from the host store), so its
-    tensors must be on the param's device."""
+    tensors must be on the param's device. A DTensor param's (FSDP2) states
+    are learned from its local shard's update (shaped like the shard) or
+    from what torch.optim holds for it (DTensors like the param, or whole
+    tensors from a full state dict); a state shaped otherwise would be this
+    rank's alone, and is refused."""
     kept = []
+    sharded = _is_dtensor(param)
+    shard = _local(param)
     for key, value in entry.items():
         where = f"SwapOptimizer: state '{key}' of param {index} ({name})"
         if value is None or isinstance(value, numbers.Number):  # None: timm's SGDW without momentum
@@ -52,6 +58,9 @@ def _learn_layout(index: int, param: torch.Tensor, entry: dict, name: str,
         if not torch.is_tensor(value):
             raise TypeError(f"{where} is a {type(value).__name__}; a trusted optimizer's states must be plain "
                             "tensors, numbers or None. Keep this optimizer's state on the device")
+        if sharded and _is_dtensor(value) and value.dim() > 0 and value.shape == param.shape:
+            kept.append(_Kept(key, ELEMENT, tuple(param.shape), value.dtype))  # as torch.optim holds it under FSDP2
+            continue
         if type(value) is not torch.Tensor or value.layout != torch.strided:
             raise TypeError(f"{where} is a {type(value).__name__} with layout {value.layout}, not a plain strided "
                             "tensor (a tensor subclass, such as torchao's 8-bit states, keeps its own storage that "
@@ -59,12 +68,18 @@ def _learn_layout(index: int, param: torch.Tensor, entry: dict, name: str,
                             "the device")
         if value.dim() == 0:
             kept.append(_Kept(key, SCALAR, None))
-        elif check_device and value.device != param.device:
-            raise TypeError(f"{where} is on {value.device}, its param on {param.device}; SwapOptimizer streams "
+        elif check_device and value.device != shard.device:
+            raise TypeError(f"{where} is on {value.device}, its param on {shard.device}; SwapOptimizer streams "
                             "states kept on their param's device. Keep this optimizer's state as it is")
+        elif value.shape == param.shape or (sharded and value.shape == shard.shape):
+            kept.append(_Kept(key, ELEMENT, tuple(param.shape), value.dtype))
+        elif sharded:
+            raise ValueError(f"{where} has shape {tuple(value.shape)}, neither its param's {tuple(param.shape)} nor "
+                             f"its local shard's {tuple(shard.shape)}: under FSDP2 (DTensor params) SwapOptimizer "
+                             "updates each rank's local shard, and a state not shaped like the param would be this "
+                             "rank's alone, not the plain optimizer's. Keep this optimizer's state on the device")
         else:
-            kept.append(_Kept(key, ELEMENT if value.shape == param.shape else WHOLE, tuple(value.shape),
-                              value.dtype))
+            kept.append(_Kept(key, WHOLE, tuple(value.shape), value.dtype))
     return tuple(kept)
 
 
@@ -205,10 +220,15 @@ class VouchedForRule(TorchUpdateRule):
         self._writes: Optional[_GroupWrites] = None  # this step's
 
     def check_params(self, params: list) -> None:
-        if any(_is_dtensor(p) for p in params):
-            raise ValueError(f"SwapOptimizer: {type(self.optimizer).__name__} (wrapped on trust_per_param_step) "
-                             "with DTensor params (FSDP2) is not supported yet; keep this optimizer's state on the "
-                             "device")
+        """DTensor params (FSDP2): each rank updates its local shard, which is
+        the whole update only on the second promise (trust_elementwise_step)."""
+        if any(_is_dtensor(p) for p in params) and not self.declaration.elementwise:
+            name = type(self.optimizer).__name__
+            raise ValueError(f"SwapOptimizer: {name} (wrapped on trust_per_param_step) with DTensor params (FSDP2): "
+                             "SwapOptimizer updates each rank's local shard, which is the whole update only if the "
+                             "update is elementwise. If it is (each element's update reads only that element of the "
+                             "param, its grad and its param-shaped states), pass trust_elementwise_step=True too; "
+                             "else keep this optimizer's state on the device")
 
     def _step_writes(self, opt) -> _GroupWrites:
         self._writes = _GroupWrites(type(self.optimizer).__name__, list(opt.param_groups), self._step_groups)
@@ -277,7 +297,7 @@ class VouchedForRule(TorchUpdateRule):
             for i in first:
                 param = params[i]
                 start_state = self._start_state(i, param)  # before the param changes
-                piece = param.detach()
+                piece = _local(param).detach()  # a DTensor's: this rank's shard, updated on its own
                 backups.append((piece, piece.to("cpu", copy=True)))
                 piece.grad = grads[i].clone()  # the call may change it in place; a refusal must not
                 state = {piece: start_state}
@@ -291,8 +311,10 @@ class VouchedForRule(TorchUpdateRule):
             if all(self._shown[i] and updated[i] and layouts[i] == self._layouts_now[i] for i in first):
                 self._write_entries(opt, updated)  # a resume: the states the store holds already, new values
             elif had_state or any(updated.values()):
-                entries = {params[i]: {key: value.to("cpu", copy=True) if torch.is_tensor(value) and value.dim() > 0
-                                       else value for key, value in entry.items()} for i, entry in updated.items()}
+                # (a DTensor param's as torch.optim holds them: DTensors over its shard's)
+                entries = {params[i]: {key: _like_param(value.to("cpu", copy=True), params[i])
+                                       if torch.is_tensor(value) and value.dim() > 0 else value
+                                       for key, value in entry.items()} for i, entry in updated.items()}
                 self._lay_out(opt, {**self._kept_state(opt), **entries})
         except BaseException:
             for piece, backup in backups:
@@ -321,7 +343,8 @@ class VouchedForRule(TorchUpdateRule):
         The caller has synchronized: the host store holds the last step's."""
         if not self._shown[index]:
             return {}
-        return {key: (value.to(param.device, copy=True) if value.dim() > 0 else value.clone())
+        shard = _local(param)  # a DTensor's states: its local shard's
+        return {key: (_local(value).to(shard.device, copy=True) if value.dim() > 0 else value.clone())
                 if torch.is_tensor(value) else copy.deepcopy(value) for key, value in self._entry(index).items()}
 
     def _probe_contract(self, opt, params: list[torch.Tensor], grads: list, candidates: list[int]) -> None:
@@ -344,7 +367,7 @@ class VouchedForRule(TorchUpdateRule):
             opt._synchronize()  # the host store holds the last step's copies (_start_state reads them)
         with torch.random.fork_rng(devices=devices):
             for key, i in smallest.items():
-                value, grad = params[i].detach(), grads[i]
+                value, grad = _local(params[i]).detach(), grads[i]  # a DTensor's: its local shard
                 start = self._start_state(i, params[i])
                 # A second grad that is no multiple of the first.
                 grads_by_step = [grad, grad.reshape(-1).roll(1).reshape(grad.shape) * 2]
@@ -370,11 +393,16 @@ class VouchedForRule(TorchUpdateRule):
 
     def _to_probe(self, params: list, candidates: list[int]) -> dict[tuple, int]:
         """(group, dimensionality) -> the param of `candidates` the probe takes
-        for it, for those not probed yet: the smallest."""
+        for it, for those not probed yet: the smallest, by its local shard
+        for a DTensor (an empty shard only where all are)."""
+        def size(i: int) -> tuple:
+            numel = _local(params[i]).numel()
+            return numel == 0, numel
+
         smallest: dict[tuple, int] = {}
         for i in candidates:
             key = (self._group_of[i], params[i].dim())
-            if key not in self._probed and (key not in smallest or params[i].numel() < params[smallest[key]].numel()):
+            if key not in self._probed and (key not in smallest or size(i) < size(smallest[key])):
                 smallest[key] = i
         return smallest
 
