@@ -100,23 +100,26 @@ def case_fsdp2(rank, device, work_dir):
     assert local_numel < sum(p.numel() for p in model.parameters()) * 0.6
 
 
-def save_checkpoint(model, optimizer, work_dir):
+def save_checkpoint(model, optimizer, work_dir, name="checkpoint"):
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(work_dir, "checkpoint"))
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(work_dir, name))
 
 
-def assert_resumes_bitwise(model, optimizer, make_model, swap_times, device, rank, work_dir, **fields):
-    """A fresh model and SwapOptimizer (another swap_times) loaded from the DCP
-    checkpoint train 3 more steps exactly as the saved pair does (steps 4-6)."""
+def assert_resumes_bitwise(model, optimizer, make_model, swap_times, device, rank, work_dir, make=adamw,
+                           name="checkpoint", **fields):
+    """A fresh model and SwapOptimizer (of `make`'s optimizer, another
+    swap_times) loaded from the DCP checkpoint `name` train 3 more steps
+    exactly as the saved pair does (steps 4-6); returns the fresh pair."""
     resumed = shard(make_model(device))
-    resumed_optimizer = SwapOptimizer(adamw(resumed.parameters()), swap_times=swap_times, min_numel=64, **fields)
+    resumed_optimizer = SwapOptimizer(make(resumed.parameters()), swap_times=swap_times, min_numel=64, **fields)
     model_state, optim_state = get_state_dict(resumed, resumed_optimizer)
     loaded = {"model": model_state, "optim": optim_state}
-    dcp.load(loaded, checkpoint_id=os.path.join(work_dir, "checkpoint"))
+    dcp.load(loaded, checkpoint_id=os.path.join(work_dir, name))
     set_state_dict(resumed, resumed_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     train(model, optimizer, 3, 4, device, rank)
     train(resumed, resumed_optimizer, 3, 4, device, rank)
     assert_models_close(resumed, model, rtol=0, atol=0)
+    return resumed, resumed_optimizer
 
 
 def case_fsdp2_checkpoint(rank, device, work_dir):
@@ -274,18 +277,8 @@ def case_fsdp2_other_optimizers(rank, device, work_dir):
                     assert torch.equal(mine.to_local().to(device), value.to_local()), (name, key)
                 else:
                     assert torch.equal(mine, value), (name, key)
-        path = os.path.join(work_dir, name)
-        model_state, optim_state = get_state_dict(model, ours)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-        resumed = shard(build_wide(device))
-        resumed_optimizer = SwapOptimizer(make(resumed.parameters()), swap_times=3, min_numel=64)
-        model_state, optim_state = get_state_dict(resumed, resumed_optimizer)
-        loaded = {"model": model_state, "optim": optim_state}
-        dcp.load(loaded, checkpoint_id=path)
-        set_state_dict(resumed, resumed_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-        train(model, ours, 3, 4, device, rank)
-        train(resumed, resumed_optimizer, 3, 4, device, rank)
-        assert_models_close(resumed, model, rtol=0, atol=0)
+        save_checkpoint(model, ours, work_dir, name)
+        assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir, make, name)
     sharded = shard(build(device))
     matrices = [p for p in sharded.parameters() if p.dim() == 2]
     for optimizer in (torch.optim.Muon(matrices, lr=0.02), torch.optim.Adafactor(sharded.parameters(), lr=0.01)):
@@ -352,19 +345,9 @@ def case_fsdp2_vouched_for(rank, device, work_dir):
         assert mine.keys() == theirs.keys() and mine["updates"] == theirs["updates"] == 4
         assert isinstance(mine["exp_avg"], DTensor) and mine["exp_avg"].placements == p.placements
         assert torch.equal(mine["exp_avg"].to_local().to(device), theirs["exp_avg"].to_local())
-    path = os.path.join(work_dir, "vouched_for")
-    model_state, optim_state = get_state_dict(model, ours)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-    resumed = shard(build_wide(device))
-    resumed_optimizer = SwapOptimizer(Lion(resumed.parameters()), swap_times=3, min_numel=64,
-                                      trust_per_param_step=True, trust_elementwise_step=True)
-    model_state, optim_state = get_state_dict(resumed, resumed_optimizer)
-    loaded = {"model": model_state, "optim": optim_state}
-    dcp.load(loaded, checkpoint_id=path)
-    set_state_dict(resumed, resumed_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    train(model, ours, 3, 4, device, rank)
-    train(resumed, resumed_optimizer, 3, 4, device, rank)
-    assert_models_close(resumed, model, rtol=0, atol=0)
+    save_checkpoint(model, ours, work_dir)
+    resumed, resumed_optimizer = assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir, Lion,
+                                                        trust_per_param_step=True, trust_elementwise_step=True)
     for p, q in zip(resumed.parameters(), model.parameters()):
         assert torch.equal(resumed_optimizer.state[p]["exp_avg"].to_local(), ours.state[q]["exp_avg"].to_local())
     sharded = shard(build(device))
