@@ -648,10 +648,7 @@ class TorchUpdateRule:
                 opt._runtime.step([_local(p) for p in params], streamed, [], None, None, deferred=deferred)
                 if opt._overlap is not None:
                     opt._overlap.after_step(deferred, opt._runtime, streamed)
-                if deferred:  # the stepped params' entries are made again once it is done (step_waited)
-                    self._pending = (writes, before, [(i, params[i]) for i, grad in enumerate(grads)
-                                                      if grad is not None and self._layouts_now[i]])
-                else:
+                if not deferred:
                     self._groups_written(writes)
             finally:
                 opt._stepping = False
@@ -660,10 +657,12 @@ class TorchUpdateRule:
                 if self.learning and not deferred:  # done: the context need not outlive it
                     self._batch_rule.step = None
             state = opt.__dict__["_state"]
-            for i, grad in enumerate(grads):
-                if grad is not None and self._layouts_now[i]:  # SGD without momentum keeps no state, as in torch
-                    self._shown[i] = True
-                    state[params[i]] = self._entry(i)  # a first step's scalars are new objects
+            stepped = [i for i, grad in enumerate(grads) if grad is not None and self._layouts_now[i]]
+            for i in stepped:  # (SGD without momentum keeps no state, as in torch)
+                self._shown[i] = True
+                state[params[i]] = self._entry(i)  # a first step's scalars are new objects
+            if deferred:  # its group writes, and its params' entries made again, once it is done (step_waited)
+                self._pending = (writes, before, [(i, params[i], state[params[i]]) for i in stepped])
 
     def _step_writes(self, opt) -> Optional[Any]:
         """What a step's calls start their groups from and what they write
@@ -690,8 +689,9 @@ class TorchUpdateRule:
             return
         writes, before, stepped = pending
         state = opt.__dict__["_state"]
-        for i, p in stepped:
-            state[p] = self._entry(i)
+        for i, p, entry in stepped:
+            if state.get(p) is entry:  # (an entry replaced meanwhile is an edit, loaded at the next step)
+                state[p] = self._entry(i)
         if not failed:
             self._groups_written(writes, before)
 
