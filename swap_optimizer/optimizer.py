@@ -301,8 +301,13 @@ class SwapOptimizer(torch.optim.Optimizer):
         runtime = self.__dict__.get("_runtime")
         overlap = self.__dict__.get("_overlap")
         if overlap is not None and runtime is not None:
-            overlap.wait_all()
-            runtime.wait_step()  # CUDA: also when a wait on another stream finished the step
+            try:
+                overlap.wait_all()
+                runtime.wait_step()  # CUDA: also when a wait on another stream finished the step
+            except BaseException:
+                self._rule.step_waited(self, failed=True)
+                raise
+            self._rule.step_waited(self)  # a vouched-for step's group writes land now
 
     @_on_the_optimizer_itself
     def synchronize(self) -> None:

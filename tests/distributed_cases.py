@@ -100,23 +100,26 @@ def case_fsdp2(rank, device, work_dir):
     assert local_numel < sum(p.numel() for p in model.parameters()) * 0.6
 
 
-def save_checkpoint(model, optimizer, work_dir):
+def save_checkpoint(model, optimizer, work_dir, name="checkpoint"):
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(work_dir, "checkpoint"))
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(work_dir, name))
 
 
-def assert_resumes_bitwise(model, optimizer, make_model, swap_times, device, rank, work_dir, **fields):
-    """A fresh model and SwapOptimizer (another swap_times) loaded from the DCP
-    checkpoint train 3 more steps exactly as the saved pair does (steps 4-6)."""
+def assert_resumes_bitwise(model, optimizer, make_model, swap_times, device, rank, work_dir, make=adamw,
+                           name="checkpoint", **fields):
+    """A fresh model and SwapOptimizer (of `make`'s optimizer, another
+    swap_times) loaded from the DCP checkpoint `name` train 3 more steps
+    exactly as the saved pair does (steps 4-6); returns the fresh pair."""
     resumed = shard(make_model(device))
-    resumed_optimizer = SwapOptimizer(adamw(resumed.parameters()), swap_times=swap_times, min_numel=64, **fields)
+    resumed_optimizer = SwapOptimizer(make(resumed.parameters()), swap_times=swap_times, min_numel=64, **fields)
     model_state, optim_state = get_state_dict(resumed, resumed_optimizer)
     loaded = {"model": model_state, "optim": optim_state}
-    dcp.load(loaded, checkpoint_id=os.path.join(work_dir, "checkpoint"))
+    dcp.load(loaded, checkpoint_id=os.path.join(work_dir, name))
     set_state_dict(resumed, resumed_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     train(model, optimizer, 3, 4, device, rank)
     train(resumed, resumed_optimizer, 3, 4, device, rank)
     assert_models_close(resumed, model, rtol=0, atol=0)
+    return resumed, resumed_optimizer
 
 
 def case_fsdp2_checkpoint(rank, device, work_dir):
@@ -256,7 +259,7 @@ def case_fsdp2_other_optimizers(rank, device, work_dir):
     shards cut across batches: bitwise the plain optimizer on the same DTensors;
     `state` holds DTensors over the store; a DCP checkpoint loaded into another
     swap_times resumes bitwise. Muon and Adafactor (whole-param updates) are
-    refused with DTensor params."""
+    refused with DTensor params (vouched-for optimizers: case_fsdp2_vouched_for)."""
     for name, make in (("SGD", lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1, foreach=True)),
                        ("NAdam", lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=0.01))):
         model, reference = shard(build_wide(device)), shard(build_wide(device))
@@ -274,26 +277,90 @@ def case_fsdp2_other_optimizers(rank, device, work_dir):
                     assert torch.equal(mine.to_local().to(device), value.to_local()), (name, key)
                 else:
                     assert torch.equal(mine, value), (name, key)
-        path = os.path.join(work_dir, name)
-        model_state, optim_state = get_state_dict(model, ours)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-        resumed = shard(build_wide(device))
-        resumed_optimizer = SwapOptimizer(make(resumed.parameters()), swap_times=3, min_numel=64)
-        model_state, optim_state = get_state_dict(resumed, resumed_optimizer)
-        loaded = {"model": model_state, "optim": optim_state}
-        dcp.load(loaded, checkpoint_id=path)
-        set_state_dict(resumed, resumed_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-        train(model, ours, 3, 4, device, rank)
-        train(resumed, resumed_optimizer, 3, 4, device, rank)
-        assert_models_close(resumed, model, rtol=0, atol=0)
+        save_checkpoint(model, ours, work_dir, name)
+        assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir, make, name)
     sharded = shard(build(device))
     matrices = [p for p in sharded.parameters() if p.dim() == 2]
     for optimizer in (torch.optim.Muon(matrices, lr=0.02), torch.optim.Adafactor(sharded.parameters(), lr=0.01)):
         with pytest.raises(ValueError, match="updates each rank's local shard, but"):
             SwapOptimizer(optimizer)
-    trusted = type("OwnSGD", (torch.optim.SGD,), {"step": lambda self, closure=None: None})
-    with pytest.raises(ValueError, match="wrapped on trust_per_param_step\\) with DTensor params"):
-        SwapOptimizer(trusted(sharded.parameters(), lr=0.1), trust_per_param_step=True)
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion written by hand, elementwise (as tests/test_trusted_optimizers.py's),
+    with a count of its updates kept as a number: SwapOptimizer has no
+    declaration for it, so it is wrapped on trust_per_param_step."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "exp_avg" not in state:
+                    state["exp_avg"], state["updates"] = torch.zeros_like(p), 0
+                state["updates"] += 1
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(state["exp_avg"].mul(beta1).add_(p.grad, alpha=1 - beta1).sign_(), alpha=-group["lr"])
+                state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+class RowScaledLion(Lion):
+    """Lion that also keeps a per-row state: shaped neither like a param nor like its shard."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p].setdefault("rows", torch.zeros(p.shape[0] + 1, device=p.device))
+        return super().step(closure)
+
+
+def case_fsdp2_vouched_for(rank, device, work_dir):
+    """A vouched-for elementwise optimizer (trust_per_param_step and
+    trust_elementwise_step) on FSDP2 shards cut across batches: each param's
+    states are learned from its local shard's first update, its contract
+    probed on local shards; params and states bitwise the plain optimizer on
+    the same DTensors, `state` holding DTensors with the params' placements; a
+    DCP checkpoint loaded into another swap_times resumes bitwise. Without
+    trust_elementwise_step it is refused, naming it; a state shaped neither
+    like the param nor like its shard is refused at the first step, nothing
+    changed."""
+    model, reference = shard(build_wide(device)), shard(build_wide(device))
+    ours = SwapOptimizer(Lion(model.parameters()), swap_times=8, min_numel=64, trust_per_param_step=True,
+                         trust_elementwise_step=True)
+    plain = Lion(reference.parameters())
+    train(model, ours, 4, 0, device, rank)
+    train(reference, plain, 4, 0, device, rank)
+    assert ours.memory_stats()["split_params"] >= 1 and ours.memory_stats()["swapped_state_keys"] == ["exp_avg"]
+    assert_models_close(model, reference, rtol=0, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        mine, theirs = ours.state[p], plain.state[q]
+        assert mine.keys() == theirs.keys() and mine["updates"] == theirs["updates"] == 4
+        assert isinstance(mine["exp_avg"], DTensor) and mine["exp_avg"].placements == p.placements
+        assert torch.equal(mine["exp_avg"].to_local().to(device), theirs["exp_avg"].to_local())
+    save_checkpoint(model, ours, work_dir)
+    resumed, resumed_optimizer = assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir, Lion,
+                                                        trust_per_param_step=True, trust_elementwise_step=True)
+    for p, q in zip(resumed.parameters(), model.parameters()):
+        assert torch.equal(resumed_optimizer.state[p]["exp_avg"].to_local(), ours.state[q]["exp_avg"].to_local())
+    sharded = shard(build(device))
+    with pytest.raises(ValueError, match="with DTensor params \\(FSDP2\\): SwapOptimizer updates each rank's local "
+                                         "shard, which is the whole update only if"):
+        SwapOptimizer(Lion(sharded.parameters()), trust_per_param_step=True)
+    rows = SwapOptimizer(RowScaledLion(sharded.parameters()), min_numel=64, trust_per_param_step=True,
+                         trust_elementwise_step=True)
+    before = [local(p.detach()).clone() for p in sharded.parameters()]
+    sharded(torch.ones(2, 24, device=device)).square().mean().backward()
+    with pytest.raises(ValueError, match="neither its param's .* nor its local shard's"):
+        rows.step()
+    assert all(torch.equal(local(p.detach()), b) for p, b in zip(sharded.parameters(), before)) and not rows.state
 
 
 def case_fsdp2_budget(rank, device, work_dir):
@@ -444,6 +511,7 @@ def case_ddp_overlap_layer_drop(rank, device, work_dir):
 CASES = {"ddp_overlap": case_ddp_overlap, "ddp_overlap_layer_drop": case_ddp_overlap_layer_drop, "fsdp2": case_fsdp2, "fsdp2_checkpoint": case_fsdp2_checkpoint,
          "fsdp2_mixed_precision": case_fsdp2_mixed_precision, "fsdp2_split": case_fsdp2_split,
          "fsdp2_bf16_moments": case_fsdp2_bf16_moments, "fsdp2_8bit": case_fsdp2_8bit, "fsdp2_other_optimizers": case_fsdp2_other_optimizers,
+         "fsdp2_vouched_for": case_fsdp2_vouched_for,
          "fsdp2_budget": case_fsdp2_budget, "ddp": case_ddp, "ddp_auto_budget": case_ddp_auto_budget}
 
 

@@ -21,7 +21,7 @@ from optimizer_cases import Lion
 FAMILIES = {
     "AdamW": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),  # the packed fused kernel
     **OPTIMIZERS,                                                            # torch's own update on staged views
-    "Lion": lambda ps: Lion(ps),                                             # vouched for (its steps run whole)
+    "Lion": lambda ps: Lion(ps),                                             # vouched for (deferred once learned)
 }
 STEPS = 4  # the first is the probe, the rest run beside the next forward
 

@@ -9,7 +9,7 @@ import torch
 
 import swap_optimizer as so
 from conftest import DEVICES
-from test_overlap import assert_bitwise, build, snapshot, train
+from test_overlap import assert_bitwise, build, loss_of, snapshot, tokens_for, train
 from optimizer_cases import Lion
 
 OPTIMIZERS = {
@@ -66,22 +66,96 @@ def test_the_waits_are_what_keeps_it_right():
     assert any(not torch.equal(a, b) for a, b in zip(logged, logged_plain))
 
 
-def test_a_vouched_for_optimizer_steps_whole_and_bitwise():
-    """A vouched-for optimizer's group writes are checked when its step is
-    done, so its steps complete inside step(): bitwise, no overlap."""
+@pytest.mark.parametrize("feature", ["plain", "scheduler", "clip", "accumulation", "read_after_wait"])
+def test_a_vouched_for_optimizer_is_deferred_once_learned(feature):
+    """A vouched-for optimizer (trust_per_param_step, params cut) runs its
+    first step whole inside step() (its states learned, its contract
+    probed); every later one runs beside the next forward: bitwise the run
+    without overlap."""
     device = torch.device("cpu")
     runs = []
     for overlap in (False, True):
         model = build(device)
         extra = dict(model=model, overlap_forward=True) if overlap else {}
-        optimizer = so.SwapOptimizer(Lion(model.parameters()), trust_per_param_step=True, swap_times=6, min_numel=0,
-                                     **extra)
-        logged = train(model, optimizer, 4, device, "plain")
+        optimizer = so.SwapOptimizer(Lion(model.parameters()), trust_per_param_step=True,
+                                     trust_elementwise_step=True, swap_times=6, num_arenas=3, min_numel=0, **extra)
         if overlap:
-            assert not optimizer._overlap._last_step_deferred
+            optimizer._set_test_hooks(copy_delay_us=300, compute_delay_us=300, seed=5)
+        logged = train(model, optimizer, 5, device, feature)
+        if overlap:
+            assert optimizer._overlap._last_step_deferred
         runs.append((logged, snapshot(model, optimizer)))
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
     assert_bitwise(runs[0][1], runs[1][1])
+
+
+class GroupCounter(Lion):
+    """Lion that counts its steps in its param group at every step, as timm's Adan does."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+        return super().step(closure)
+
+
+class NotesEveryThirdStep(Lion):
+    """Lion that writes its param group only at every third update of its
+    params (from a count kept per param): a step the overlap deferred,
+    having seen no write at the step before, writes its group after all."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["updates"] = state.get("updates", 0) + 1
+                    if state["updates"] % 3 == 0:
+                        group["noted_at"] = state["updates"]
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("name, deferred", [
+    ("GroupCounter", [False] * 7),  # each step writes its group: each runs inside step()
+    # the third and sixth write theirs: landed at the wait, the step after them runs inside step()
+    ("NotesEveryThirdStep", [False, True, True, False, True, True, False]),
+])
+def test_a_vouched_for_step_that_writes_its_groups(name, deferred):
+    """A vouched-for step that wrote its param groups is followed by one
+    that runs inside step(); a deferred step that writes them has its
+    writes land when it is waited for (here: the next step()), unless the
+    value was changed since step() (the user's later write, kept as the
+    plain optimizer's order keeps it). Params, states and the groups after
+    each wait bitwise the run without overlap."""
+    make = {"GroupCounter": GroupCounter, "NotesEveryThirdStep": NotesEveryThirdStep}[name]
+    device = torch.device("cpu")
+    runs = []
+    for overlap in (False, True):
+        model = build(device)
+        extra = dict(model=model, overlap_forward=True) if overlap else {}
+        optimizer = so.SwapOptimizer(make(model.parameters()), trust_per_param_step=True, trust_elementwise_step=True,
+                                     swap_times=6, num_arenas=3, min_numel=0, **extra)
+        if overlap:
+            optimizer._set_test_hooks(copy_delay_us=300, compute_delay_us=300, seed=5)
+        seen, groups = [], []
+        for step in range(len(deferred)):
+            optimizer.zero_grad()
+            loss_of(model, tokens_for(step, device)).backward()
+            optimizer.step()
+            if overlap:
+                seen.append(optimizer._overlap._last_step_deferred)
+            if step == 5:  # written by the user after the sixth step(), which writes it too
+                optimizer.param_groups[0]["noted_at"] = -1
+            optimizer.wait()
+            groups.append({k: v for k, v in optimizer.param_groups[0].items() if k != "params"})
+        if overlap:
+            assert seen == deferred
+        runs.append((snapshot(model, optimizer), {k: v for k, v in optimizer.param_groups[0].items() if k != "params"},
+                     groups))
+    assert_bitwise(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1]
+    assert runs[1][1]["step" if name == "GroupCounter" else "noted_at"] == (7 if name == "GroupCounter" else -1)
+    assert runs[0][2] == runs[1][2]  # the groups after each step's wait
 
 
 def test_muon_beside_adamw_both_overlapped():

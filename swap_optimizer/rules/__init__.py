@@ -11,7 +11,8 @@ Each rule (see TorchUpdateRule for the reference) says what it refuses
 (check_wrap, check_params, unscales_in_step), lays out the store for the
 states it needs (start, lay_out_empty, views), updates (step), converts
 state dicts (state_dict_extras, load_state_dict), follows new param groups
-(add_param_group), and keeps what the store's layout does not hold
+(add_param_group), finishes what a deferred step leaves for its wait
+(step_waited), and keeps what the store's layout does not hold
 (bookkeeping, restore_bookkeeping, release). The SwapOptimizer hands itself
 to each call; a rule never keeps a reference to it.
 """

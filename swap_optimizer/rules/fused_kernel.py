@@ -416,6 +416,9 @@ class PackedKernelRule:
                 state.pop(p, None)
         self._note_param_versions(opt)
 
+    def step_waited(self, opt, failed: bool = False) -> None:
+        """Nothing: the kernel's step writes no param group."""
+
     def bookkeeping(self) -> dict:
         """What a store's layout does not hold: which params show a state."""
         return dict(shown=list(self._shown))

@@ -226,7 +226,7 @@ class _StepContext:
     group_of: list[int]                     # per param: its group
     step_groups: list[dict]                 # per group: copies of its values at step()
     grad_scale: dict                        # GradScaler's grad_scale / found_inf, copies
-    learner: Optional[Any] = None           # a vouched-for optimizer's rule (never deferred)
+    group_writes: Optional[Any] = None      # a vouched-for optimizer's: each call's group copy, what calls wrote
 
 
 class _BatchRule:
@@ -282,23 +282,23 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
         rows.append((index, offset + count == param.numel(), piece, views))
     if not rows:
         return
-    learner = step.learner
-    if learner is not None:  # a vouched-for step may write its groups: each call gets copies, checked after
-        calls = [learner._call_group(g, pieces) for g, pieces in sorted(groups.items())]
+    writes = step.group_writes
+    if writes is not None:  # a vouched-for step may write its groups: each call gets copies, checked after
+        calls = [writes.call_group(g, pieces) for g, pieces in sorted(groups.items())]
         run_torch_update(step.optimizer, [group for group, _ in calls], state, strict=True)
         for g, (call_group, start) in zip(sorted(groups), calls):
-            learner._note_groups_after(g, call_group, start)
+            writes.note(g, call_group, start)
     else:  # torch's own steps leave their groups as they are
         run_torch_update(step.optimizer, [dict(step.step_groups[g], params=pieces)
                                           for g, pieces in sorted(groups.items())], state,
                          grad_scale=step.grad_scale)
     name = type(step.optimizer).__name__
-    source = "it kept at its first update" if learner is not None else "its declaration says it keeps"
+    source = "it kept at its first update" if writes is not None else "its declaration says it keeps"
     for index, last, piece, views in rows:
         entry = state[piece]
         kept = {spec.name for spec in step.layouts[index]}
         # (a vouched-for param that kept nothing at its first update must keep nothing still)
-        if (step.had_state[index] or learner is not None) and set(entry) != kept:
+        if (step.had_state[index] or writes is not None) and set(entry) != kept:
             raise RuntimeError(f"SwapOptimizer: {name}'s step left param {index} with states {sorted(entry)}, but "
                                f"{source} {sorted(kept)}: SwapOptimizer keeps a param's states from its first "
                                "update on, as torch.optim does. This optimizer cannot be wrapped; keep its state "
@@ -330,6 +330,7 @@ class TorchUpdateRule:
         self.declaration = declaration
         self._views: Optional[list[dict]] = None
         self._batch_rule: Optional[_BatchRule] = None
+        self._pending: Optional[tuple] = None  # what a deferred step leaves for its wait (step_waited)
 
     # ------------------------------------------------------- settings
     def check_wrap(self, config: SwapOptimizerConfig) -> None:
@@ -609,17 +610,21 @@ class TorchUpdateRule:
         # write a tensor lr in place).
         self._step_groups = [{k: _fresh(v) for k, v in group.items() if k != "params"} for group in opt.param_groups]
         self._group_of = [g for g, group in enumerate(opt.param_groups) for _ in group["params"]]
-        self._groups_after: dict[int, dict] = {}
+        writes = self._step_writes(opt)
         # A vouched-for optimizer's params without state yet are updated whole,
         # one at a time, to learn what they keep; the others go through the store.
         first = [i for i, grad in enumerate(grads) if grad is not None and self.learning
                  and (not self._shown[i] or id(params[i]) in self._not_updated) and id(params[i]) not in self._stateless]
         # overlap_forward: the step may run beside the next forward once the
         # probe has made a plan, unless a param steps for the first time (its
-        # states and scalars appear during the step) or the optimizer is a
-        # vouched-for one (its group writes are checked when the step is done).
-        deferred = opt._overlap is not None and opt._overlap.may_defer() and not self.learning and all(
-            self._shown[i] or not self._layouts_now[i] for i, grad in enumerate(grads) if grad is not None)
+        # states and scalars appear during the step) or the rule says no (a
+        # vouched-for optimizer: see its _may_defer).
+        deferred = opt._overlap is not None and opt._overlap.may_defer() and all(
+            self._shown[i] or not self._layouts_now[i] for i, grad in enumerate(grads) if grad is not None) and \
+            self._may_defer(params, grads, first)
+        # (what the groups hold at step(): a deferred step's group writes land when it is waited for)
+        before = [{k: _fingerprint(v) for k, v in group.items() if k != "params"} for group in opt.param_groups] \
+            if deferred and writes is not None else None
         with signals_after_the_step():  # raised once the step and its bookkeeping are done
             opt._stepping = True
             try:
@@ -637,27 +642,59 @@ class TorchUpdateRule:
                                     for s in self._scalars],
                     had_state=list(self._shown), group_of=self._group_of, step_groups=self._step_groups,
                     grad_scale={name: _fresh(value) for name, value in amp.items()},
-                    learner=self if self.learning else None)
+                    group_writes=writes)
                 streamed = [None if i in first else grad for i, grad in enumerate(grads)]
                 if opt._overlap is not None:
                     opt._overlap.before_step(deferred)
                 opt._runtime.step([_local(p) for p in params], streamed, [], None, None, deferred=deferred)
                 if opt._overlap is not None:
                     opt._overlap.after_step(deferred, opt._runtime, streamed)
-                for g, writes in self._groups_after.items():  # the same from every call: the group's new values
-                    # (a tensor copied again here: one made in a call is an inference tensor)
-                    opt.param_groups[g].update({k: v.clone() if torch.is_tensor(v) else v for k, v in writes.items()})
+                if not deferred:
+                    self._groups_written(writes)
             finally:
                 opt._stepping = False
                 if opt._overlap is not None:
                     opt._overlap.enqueuing = False  # its pass has begun, or step() raised
-                if self.learning:  # never deferred: done, and the context must not keep this optimizer alive
+                if self.learning and not deferred:  # done: the context need not outlive it
                     self._batch_rule.step = None
             state = opt.__dict__["_state"]
-            for i, grad in enumerate(grads):
-                if grad is not None and self._layouts_now[i]:  # SGD without momentum keeps no state, as in torch
-                    self._shown[i] = True
-                    state[params[i]] = self._entry(i)  # a first step's scalars are new objects
+            stepped = [i for i, grad in enumerate(grads) if grad is not None and self._layouts_now[i]]
+            for i in stepped:  # (SGD without momentum keeps no state, as in torch)
+                self._shown[i] = True
+                state[params[i]] = self._entry(i)  # a first step's scalars are new objects
+            if deferred:  # its group writes, and its params' entries made again, once it is done (step_waited)
+                self._pending = (writes, before, [(i, params[i], state[params[i]]) for i in stepped])
+
+    def _step_writes(self, opt) -> Optional[Any]:
+        """What a step's calls start their groups from and what they write
+        into them (a vouched-for optimizer's); None: torch's own steps leave
+        their groups as they are."""
+        return None
+
+    def _may_defer(self, params: list, grads: list, first: list[int]) -> bool:
+        """Whether this step may run beside the next forward (overlap_forward),
+        beyond what every rule needs (a plan, no param stepping first)."""
+        return True
+
+    def _groups_written(self, writes: Optional[Any], before: Optional[list] = None) -> None:
+        """Into the param groups: what a step's calls wrote there (a
+        vouched-for optimizer's; nothing for torch's own)."""
+
+    def step_waited(self, opt, failed: bool = False) -> None:
+        """SwapOptimizer.wait() is done: `state` shows the deferred step's
+        scalars (a number is a new object, written by the step's last piece
+        after step() returned), and its group writes, if any, go into the
+        groups (none when it failed)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        writes, before, stepped = pending
+        state = opt.__dict__["_state"]
+        for i, p, entry in stepped:
+            if state.get(p) is entry:  # (an entry replaced meanwhile is an edit, loaded at the next step)
+                state[p] = self._entry(i)
+        if not failed:
+            self._groups_written(writes, before)
 
     def _sync_edits(self, opt, params: list[torch.Tensor]) -> None:
         """Loads into the store what was written into `state` since the last

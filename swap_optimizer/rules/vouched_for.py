@@ -11,9 +11,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..distributed import _is_dtensor
+from ..distributed import _is_dtensor, _like_param, _local
 from .declarations import ELEMENT, SCALAR, WHOLE, Declaration
-from .torch_update import TorchUpdateRule, _copied, _fresh, _keep_scalar, _Kept, run_torch_update
+from .torch_update import TorchUpdateRule, _copied, _fingerprint, _fresh, _keep_scalar, _Kept, run_torch_update
 
 
 
@@ -42,8 +42,14 @@ def _learn_layout(index: int, param: torch.Tensor, entry: dict, name: str,
     param-shaped tensors are element states, other tensors whole ones, 0-dim
     tensors and numbers scalars (kept where they are). check_device: the
     entry comes from the optimizer itself (not from the host store), so its
-    tensors must be on the param's device."""
+    tensors must be on the param's device. A DTensor param's (FSDP2) states
+    are learned from its local shard's update (shaped like the shard) or
+    from what torch.optim holds for it (DTensors like the param, or whole
+    tensors from a full state dict); a state shaped otherwise would be this
+    rank's alone, and is refused."""
     kept = []
+    sharded = _is_dtensor(param)
+    shard = _local(param)
     for key, value in entry.items():
         where = f"SwapOptimizer: state '{key}' of param {index} ({name})"
         if value is None or isinstance(value, numbers.Number):  # None: timm's SGDW without momentum
@@ -52,6 +58,9 @@ def _learn_layout(index: int, param: torch.Tensor, entry: dict, name: str,
         if not torch.is_tensor(value):
             raise TypeError(f"{where} is a {type(value).__name__}; a trusted optimizer's states must be plain "
                             "tensors, numbers or None. Keep this optimizer's state on the device")
+        if sharded and _is_dtensor(value) and value.dim() > 0 and value.shape == param.shape:
+            kept.append(_Kept(key, ELEMENT, tuple(param.shape), value.dtype))  # as torch.optim holds it under FSDP2
+            continue
         if type(value) is not torch.Tensor or value.layout != torch.strided:
             raise TypeError(f"{where} is a {type(value).__name__} with layout {value.layout}, not a plain strided "
                             "tensor (a tensor subclass, such as torchao's 8-bit states, keeps its own storage that "
@@ -59,12 +68,18 @@ def _learn_layout(index: int, param: torch.Tensor, entry: dict, name: str,
                             "the device")
         if value.dim() == 0:
             kept.append(_Kept(key, SCALAR, None))
-        elif check_device and value.device != param.device:
-            raise TypeError(f"{where} is on {value.device}, its param on {param.device}; SwapOptimizer streams "
+        elif check_device and value.device != shard.device:
+            raise TypeError(f"{where} is on {value.device}, its param on {shard.device}; SwapOptimizer streams "
                             "states kept on their param's device. Keep this optimizer's state as it is")
+        elif value.shape == param.shape or (sharded and value.shape == shard.shape):
+            kept.append(_Kept(key, ELEMENT, tuple(param.shape), value.dtype))
+        elif sharded:
+            raise ValueError(f"{where} has shape {tuple(value.shape)}, neither its param's {tuple(param.shape)} nor "
+                             f"its local shard's {tuple(shard.shape)}: under FSDP2 (DTensor params) SwapOptimizer "
+                             "updates each rank's local shard, and a state not shaped like the param would be this "
+                             "rank's alone, not the plain optimizer's. Keep this optimizer's state on the device")
         else:
-            kept.append(_Kept(key, ELEMENT if value.shape == param.shape else WHOLE, tuple(value.shape),
-                              value.dtype))
+            kept.append(_Kept(key, WHOLE, tuple(value.shape), value.dtype))
     return tuple(kept)
 
 
@@ -101,6 +116,90 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
+class _GroupWrites:
+    """A vouched-for optimizer's param groups over one step: each call starts
+    from a copy of its group as it was at step() (call_group), and what the
+    calls write into it must be the same from every call (note); the groups
+    get it once the step is done. A step's context holds this, never the
+    rule: a deferred step runs on without it."""
+
+    def __init__(self, name: str, groups: list[dict], step_groups: list[dict]) -> None:
+        self.name = name
+        self.groups = groups            # the param groups themselves, which get the writes
+        self.step_groups = step_groups  # copies of their values at step()
+        self.written: dict[int, dict] = {}
+
+    def call_group(self, g: int, params: list) -> tuple[dict, dict]:
+        """A call's copy of param group `g` as it was before the step, holding
+        `params`, and what it started from (key -> value)."""
+        group = {key: _fresh(value) for key, value in self.step_groups[g].items()}
+        start = dict(group)
+        group["params"] = params
+        return group, start
+
+    def note(self, g: int, call_group: dict, start: dict) -> None:
+        """What a call wrote into its copy of param group `g` (a value set,
+        or a tensor or container changed in place): every call must write the
+        same (a group step counter, as timm's Adan keeps); a value that differs
+        between calls was computed over the params of the call. (A tensor
+        written there is compared on the host: a wait per call.)"""
+        written = {}
+        for key, value in call_group.items():
+            if key == "params":
+                continue
+            # A tensor or container the call got as a copy may have changed in
+            # place: compared by value with the group's (the runtime's calls run
+            # in inference mode, where a copy's version counter says nothing).
+            if key not in start or value is not start[key] or (
+                    (torch.is_tensor(value) or isinstance(value, (list, tuple, dict, set)))
+                    and not _same_value(value, self.step_groups[g][key])):
+                written[key] = value
+        removed = sorted(set(start) - set(call_group))
+        if removed:
+            raise RuntimeError(f"SwapOptimizer: {self.name}'s step removed {removed} from param group {g}; "
+                               "SwapOptimizer runs the step batch by batch and cannot follow that. This "
+                               "optimizer cannot be wrapped; keep its state on the device")
+        first = self.written.setdefault(g, written)  # the first call's writes: every other must match
+        for key in first.keys() | written.keys():
+            unwritten = self.step_groups[g].get(key, "(no value)")  # what a call that did not write it leaves
+            a, b = first.get(key, unwritten), written.get(key, unwritten)
+            if a is not b and not _same_value(a, b):
+                raise RuntimeError(
+                    f"SwapOptimizer: {self.name}'s step wrote param group {g}'s '{key}' as "
+                    f"{a!r} in one call and {b!r} in another: the value is computed over the params of the call "
+                    "(as Prodigy's d is), so the step combines params and cannot run batch by batch. This "
+                    "optimizer cannot be wrapped; keep its state on the device")
+
+    def any(self) -> bool:
+        """Whether a call wrote a value into its group."""
+        return any(self.written.values())
+
+    def apply(self, before: Optional[list] = None) -> None:
+        """Into the groups, what the calls wrote (a tensor copied again: one
+        made in a call is an inference tensor). before: per group, the
+        fingerprints of its values at step(), for a deferred step whose writes
+        land when it is waited for: a value changed since step() was changed
+        after the step in the plain optimizer's order, and is kept."""
+        for g, written in self.written.items():
+            group = self.groups[g]
+            for key, value in written.items():
+                if before is not None and (_fingerprint(group[key]) if key in group else None) != before[g].get(key):
+                    continue
+                group[key] = value.clone() if torch.is_tensor(value) else value
+
+
+def _holds_device_tensor(value: Any) -> bool:
+    """Whether a group value is or holds a tensor off the CPU (comparing it on
+    the host would wait for the device)."""
+    if torch.is_tensor(value):
+        return value.device.type != "cpu"
+    if isinstance(value, (list, tuple, set)):
+        return any(_holds_device_tensor(item) for item in value)
+    if isinstance(value, dict):
+        return any(_holds_device_tensor(item) for item in value.values())
+    return False
+
+
 class VouchedForRule(TorchUpdateRule):
     """torch's update of an optimizer wrapped on the user's word: each param's
     states are learned from what its first update (whole, on its own) keeps,
@@ -117,12 +216,40 @@ class VouchedForRule(TorchUpdateRule):
         # __init__, loaded, or eager in add_param_group): their next update
         # runs whole, from that state, to learn all they keep.
         self._not_updated: set = set()
+        self._wrote_groups = False  # whether the last step done wrote a value into its param groups
+        self._writes: Optional[_GroupWrites] = None  # this step's
 
     def check_params(self, params: list) -> None:
-        if any(_is_dtensor(p) for p in params):
-            raise ValueError(f"SwapOptimizer: {type(self.optimizer).__name__} (wrapped on trust_per_param_step) "
-                             "with DTensor params (FSDP2) is not supported yet; keep this optimizer's state on the "
-                             "device")
+        """DTensor params (FSDP2): each rank updates its local shard, which is
+        the whole update only on the second promise (trust_elementwise_step)."""
+        if any(_is_dtensor(p) for p in params) and not self.declaration.elementwise:
+            name = type(self.optimizer).__name__
+            raise ValueError(f"SwapOptimizer: {name} (wrapped on trust_per_param_step) with DTensor params (FSDP2): "
+                             "SwapOptimizer updates each rank's local shard, which is the whole update only if the "
+                             "update is elementwise. If it is (each element's update reads only that element of the "
+                             "param, its grad and its param-shaped states), pass trust_elementwise_step=True too; "
+                             "else keep this optimizer's state on the device")
+
+    def _step_writes(self, opt) -> _GroupWrites:
+        self._writes = _GroupWrites(type(self.optimizer).__name__, list(opt.param_groups), self._step_groups)
+        return self._writes
+
+    def _may_defer(self, params: list, grads: list, first: list[int]) -> bool:
+        """A vouched-for step runs beside the next forward once it learns and
+        probes nothing (every param with a grad has stepped, the contract of
+        each group and dimensionality is probed), as long as the last step
+        wrote nothing into its groups (a step that does, as timm's Adan's
+        counter, runs inside step(), so the groups hold its values when
+        step() returns) and no group holds a device tensor (the calls compare
+        group values on the host)."""
+        return not first and not self._wrote_groups and \
+            not self._to_probe(params, [i for i, grad in enumerate(grads) if grad is not None]) and \
+            not any(_holds_device_tensor(value) for group in self._step_groups for value in group.values())
+
+    def _groups_written(self, writes: Optional[_GroupWrites], before: Optional[list] = None) -> None:
+        if writes is not None:
+            writes.apply(before)
+            self._wrote_groups = writes.any()
 
     def start(self, opt, existing: dict) -> None:
         """The states the optimizer made already (in its __init__) must be on
@@ -170,13 +297,13 @@ class VouchedForRule(TorchUpdateRule):
             for i in first:
                 param = params[i]
                 start_state = self._start_state(i, param)  # before the param changes
-                backups.append((param, param.detach().to("cpu", copy=True)))
-                piece = param.detach()
+                piece = _local(param).detach()  # a DTensor's: this rank's shard, updated on its own
+                backups.append((piece, piece.to("cpu", copy=True)))
                 piece.grad = grads[i].clone()  # the call may change it in place; a refusal must not
                 state = {piece: start_state}
-                call_group, start = self._call_group(self._group_of[i], [piece])
+                call_group, start = self._writes.call_group(self._group_of[i], [piece])
                 run_torch_update(self.optimizer, [call_group], state, strict=True)
-                self._note_groups_after(self._group_of[i], call_group, start)
+                self._writes.note(self._group_of[i], call_group, start)
                 updated[i] = state[piece]
                 layouts[i] = _learn_layout(i, param, updated[i], name, check_device=True)  # refuses the unstreamable
                 if not updated[i]:
@@ -184,12 +311,14 @@ class VouchedForRule(TorchUpdateRule):
             if all(self._shown[i] and updated[i] and layouts[i] == self._layouts_now[i] for i in first):
                 self._write_entries(opt, updated)  # a resume: the states the store holds already, new values
             elif had_state or any(updated.values()):
-                entries = {params[i]: {key: value.to("cpu", copy=True) if torch.is_tensor(value) and value.dim() > 0
-                                       else value for key, value in entry.items()} for i, entry in updated.items()}
+                # (a DTensor param's as torch.optim holds them: DTensors over its shard's)
+                entries = {params[i]: {key: _like_param(value.to("cpu", copy=True), params[i])
+                                       if torch.is_tensor(value) and value.dim() > 0 else value
+                                       for key, value in entry.items()} for i, entry in updated.items()}
                 self._lay_out(opt, {**self._kept_state(opt), **entries})
         except BaseException:
-            for param, backup in backups:
-                param.detach().copy_(backup)
+            for piece, backup in backups:
+                piece.copy_(backup)
             raise
         self._stateless.update(stateless)
         self._not_updated -= {id(params[i]) for i in first}
@@ -214,7 +343,8 @@ class VouchedForRule(TorchUpdateRule):
         The caller has synchronized: the host store holds the last step's."""
         if not self._shown[index]:
             return {}
-        return {key: (value.to(param.device, copy=True) if value.dim() > 0 else value.clone())
+        shard = _local(param)  # a DTensor's states: its local shard's
+        return {key: (_local(value).to(shard.device, copy=True) if value.dim() > 0 else value.clone())
                 if torch.is_tensor(value) else copy.deepcopy(value) for key, value in self._entry(index).items()}
 
     def _probe_contract(self, opt, params: list[torch.Tensor], grads: list, candidates: list[int]) -> None:
@@ -229,11 +359,7 @@ class VouchedForRule(TorchUpdateRule):
         random number streams are left as they were. A check, not a proof
         (docs/usage.md)."""
         name = type(self.optimizer).__name__
-        smallest: dict[tuple, int] = {}
-        for i in candidates:
-            key = (self._group_of[i], params[i].dim())
-            if key not in self._probed and (key not in smallest or params[i].numel() < params[smallest[key]].numel()):
-                smallest[key] = i
+        smallest = self._to_probe(params, candidates)
         # The probe's random draws leave the user's streams as they were.
         devices = sorted({params[i].device.index or 0 for i in smallest.values()
                           if params[i].device.type == "cuda"})
@@ -241,7 +367,7 @@ class VouchedForRule(TorchUpdateRule):
             opt._synchronize()  # the host store holds the last step's copies (_start_state reads them)
         with torch.random.fork_rng(devices=devices):
             for key, i in smallest.items():
-                value, grad = params[i].detach(), grads[i]
+                value, grad = _local(params[i]).detach(), grads[i]  # a DTensor's: its local shard
                 start = self._start_state(i, params[i])
                 # A second grad that is no multiple of the first.
                 grads_by_step = [grad, grad.reshape(-1).roll(1).reshape(grad.shape) * 2]
@@ -264,6 +390,21 @@ class VouchedForRule(TorchUpdateRule):
                         and all(s.kind == ELEMENT for s in layout if s.kind != SCALAR):
                     self._probe_cut(key[0], i, value, grads_by_step, alone, start)
                 self._probed.add(key)
+
+    def _to_probe(self, params: list, candidates: list[int]) -> dict[tuple, int]:
+        """(group, dimensionality) -> the param of `candidates` the probe takes
+        for it, for those not probed yet: the smallest, by its local shard
+        for a DTensor (an empty shard only where all are)."""
+        def size(i: int) -> tuple:
+            numel = _local(params[i]).numel()
+            return numel == 0, numel
+
+        smallest: dict[tuple, int] = {}
+        for i in candidates:
+            key = (self._group_of[i], params[i].dim())
+            if key not in self._probed and (key not in smallest or size(i) < size(smallest[key])):
+                smallest[key] = i
+        return smallest
 
     def _probe_cut(self, g: int, index: int, value: torch.Tensor, grads_by_step: list, alone: tuple,
                    start: dict) -> None:
@@ -311,7 +452,7 @@ class VouchedForRule(TorchUpdateRule):
         grads_by_step (their grads): each copy after them, and its state."""
         pieces = [value.clone() for value in values]
         state = {piece: _copied(start) for piece, start in zip(pieces, starts)}
-        group, _ = self._call_group(g, pieces)  # what one update writes, the next reads
+        group, _ = self._writes.call_group(g, pieces)  # what one update writes, the next reads
         for number, step_grads in enumerate(grads_by_step):
             for piece, grad in zip(pieces, step_grads):
                 piece.grad = grad.clone()
@@ -325,44 +466,3 @@ class VouchedForRule(TorchUpdateRule):
                                    "param has after its first update, as torch.optim does. This optimizer cannot be "
                                    "wrapped; keep its state on the device")
         return [(piece, state[piece]) for piece in pieces]
-
-    def _call_group(self, g: int, params: list) -> tuple[dict, dict]:
-        """A call's copy of param group `g` as it was before the step, holding
-        `params`, and what it started from (key -> value)."""
-        group = {key: _fresh(value) for key, value in self._step_groups[g].items()}
-        start = dict(group)
-        group["params"] = params
-        return group, start
-
-    def _note_groups_after(self, g: int, call_group: dict, start: dict) -> None:
-        """What a call wrote into its copy of param group `g` (a value set,
-        or a tensor or container changed in place): every call must write the
-        same (a group step counter, as timm's Adan keeps); a value that differs
-        between calls was computed over the params of the call. (A tensor
-        written there is compared on the host: a wait per call.)"""
-        written = {}
-        for key, value in call_group.items():
-            if key == "params":
-                continue
-            # A tensor or container the call got as a copy may have changed in
-            # place: compared by value with the group's (the runtime's calls run
-            # in inference mode, where a copy's version counter says nothing).
-            if key not in start or value is not start[key] or (
-                    (torch.is_tensor(value) or isinstance(value, (list, tuple, dict, set)))
-                    and not _same_value(value, self._step_groups[g][key])):
-                written[key] = value
-        removed = sorted(set(start) - set(call_group))
-        if removed:
-            raise RuntimeError(f"SwapOptimizer: {type(self.optimizer).__name__}'s step removed {removed} from param "
-                               f"group {g}; SwapOptimizer runs the step batch by batch and cannot follow that. This "
-                               "optimizer cannot be wrapped; keep its state on the device")
-        first = self._groups_after.setdefault(g, written)  # the first call's writes: every other must match
-        for key in first.keys() | written.keys():
-            unwritten = self._step_groups[g].get(key, "(no value)")  # what a call that did not write it leaves
-            a, b = first.get(key, unwritten), written.get(key, unwritten)
-            if a is not b and not _same_value(a, b):
-                raise RuntimeError(
-                    f"SwapOptimizer: {type(self.optimizer).__name__}'s step wrote param group {g}'s '{key}' as "
-                    f"{a!r} in one call and {b!r} in another: the value is computed over the params of the call "
-                    "(as Prodigy's d is), so the step combines params and cannot run batch by batch. This "
-                    "optimizer cannot be wrapped; keep its state on the device")
