@@ -180,7 +180,7 @@ CASES = [
         # bf16: the first step's check of trust_elementwise_step finds Lion's
         # update of a bf16 param cut in two unlike the whole one on the CPU,
         # and refuses (the declared optimizers never cut 16-bit params there).
-        dtypes=("fp32",), overlap_deferred=False, fsdp2=False, vouched_for=True),
+        dtypes=("fp32",), vouched_for=True),
 ]
 BY_NAME = {case.name: case for case in CASES}
 
