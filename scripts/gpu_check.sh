@@ -312,8 +312,8 @@ PARITY_TESTS=(
   "tests/test_fused_adam_op.py::test_cuda_matches_cpu[bf16 masters]"
   "tests/test_fused_adam_op.py::test_fp32_matches_torch_optim[adamw-ams1-max0-wd0.1-cuda]"
   "tests/test_fused_adam_op.py::test_opcheck[cuda]"
-  "tests/test_swap_optimizer.py::test_training_matches_wrapped_optimizer[mlp-adamw-ams1-3-3-cuda]"
-  "tests/test_swap_optimizer.py::test_state_lives_in_host_memory_between_steps[cuda]"
+  "tests/test_optimizer.py::test_training_matches_wrapped_optimizer[mlp-adamw-ams1-3-3-cuda]"
+  "tests/test_optimizer.py::test_state_lives_in_host_memory_between_steps[cuda]"
   # torch's own update rules, bitwise torch (Adam/AdamW with default states too: each implementation flag
   # against its own torch path; Adafactor keeps params whole), and their device temporaries
   "tests/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[Adam-0-cuda]"
@@ -342,7 +342,7 @@ PARITY_TESTS=(
   "tests/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[bf16 params, Kahan, bf16 moments]"
   "tests/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[fp16 params, Kahan, fp32 moments]"
   # master weights
-  "tests/test_swap_optimizer.py::test_master_weights_track_fp32_reference[dtype0-cuda]"
+  "tests/test_optimizer.py::test_master_weights_track_fp32_reference[dtype0-cuda]"
   "tests/test_split_params.py::test_variants_split_bitwise_like_unsplit[bf16 with fp32 states and masters-cuda]"
   # split params, their state dict and a fault inside one
   "tests/test_split_params.py::test_split_training_is_bitwise_across_splits_and_matches_torch[cuda]"
@@ -365,17 +365,17 @@ PARITY_TESTS=(
   "tests/test_device_budget.py::test_the_budget_is_never_exceeded_and_the_plan_is_the_runtime_accounting[3-cuda]"
   "tests/test_device_budget.py::test_cuda_max_memory_allocated_stays_within_the_budget"
   # GradScaler: unscaled on the host and in step() (unscale_in_step), an inf step, overlapped, split, fused rules
-  "tests/test_swap_integration.py::test_grad_scaler_with_an_inf_step_and_clipping[False-cuda]"
-  "tests/test_swap_integration.py::test_grad_scaler_with_an_inf_step_and_clipping[True-cuda]"
+  "tests/test_integration.py::test_grad_scaler_with_an_inf_step_and_clipping[False-cuda]"
+  "tests/test_integration.py::test_grad_scaler_with_an_inf_step_and_clipping[True-cuda]"
   "tests/test_overlap.py::test_overlap_trains_bitwise_like_without[grad_scaler_in_step-cuda]"
   "tests/test_split_params.py::test_grad_scaler_skip_step_with_split_params[cuda]"
   "tests/test_fused_adam_op.py::test_grad_scale_matches_torch_fused[cuda]"
   "tests/test_fused_adam_op.py::test_found_inf_changes_nothing[cuda]"
   "tests/test_rules.py::test_fused_takes_the_scale_and_inf_flag_in_step[SGD-cuda]"
   # state dicts, faults, the memory formula on the real allocator, CUDA-only refusals and the pinning fallback
-  "tests/test_swap_state_dict.py::test_round_trip_equals_uninterrupted_run[True-cuda]"
-  "tests/test_swap_pipeline.py::test_fault_at_each_batch_loses_nothing[update-3-cuda]"
-  "tests/test_swap_pipeline.py::test_memory_follows_the_formula_and_stays_flat[3-cuda]"
+  "tests/test_state_dicts.py::test_round_trip_equals_uninterrupted_run[True-cuda]"
+  "tests/test_pipeline.py::test_fault_at_each_batch_loses_nothing[update-3-cuda]"
+  "tests/test_pipeline.py::test_memory_follows_the_formula_and_stays_flat[3-cuda]"
   "tests/test_hardening.py::test_step_inside_cuda_graph_capture_is_refused_at_once"
   "tests/test_hardening.py::test_a_state_edited_right_after_a_step_reaches_the_store_on_cuda"
   "tests/test_hardening.py::test_writes_on_one_cuda_stream_then_a_step_on_another"
@@ -394,12 +394,12 @@ PARITY_SELECT="cuda or not test_deferred_lifetime"
 # without -n and nothing else on the GPU. CPU twins of the six random-delay
 # tests: 7.2 s in all (copies-2 3.8 s, the rest 0.5-0.9 s).
 DELAY_TESTS=(
-  "tests/test_swap_pipeline.py::test_random_delays_change_nothing[copies-2-cuda]"
-  "tests/test_swap_pipeline.py::test_random_delays_change_nothing[copies-3-cuda]"
-  "tests/test_swap_pipeline.py::test_random_delays_change_nothing[copies-4-cuda]"
-  "tests/test_swap_pipeline.py::test_random_delays_change_nothing[updates-2-cuda]"
-  "tests/test_swap_pipeline.py::test_random_delays_change_nothing[updates-3-cuda]"
-  "tests/test_swap_pipeline.py::test_random_delays_change_nothing[updates-4-cuda]"
+  "tests/test_pipeline.py::test_random_delays_change_nothing[copies-2-cuda]"
+  "tests/test_pipeline.py::test_random_delays_change_nothing[copies-3-cuda]"
+  "tests/test_pipeline.py::test_random_delays_change_nothing[copies-4-cuda]"
+  "tests/test_pipeline.py::test_random_delays_change_nothing[updates-2-cuda]"
+  "tests/test_pipeline.py::test_random_delays_change_nothing[updates-3-cuda]"
+  "tests/test_pipeline.py::test_random_delays_change_nothing[updates-4-cuda]"
   "tests/test_overlap.py::test_cuda_forward_waits_on_the_stream_without_host_sync"
   "tests/test_overlap.py::test_cuda_graph_captured_before_the_first_step_never_races_a_step"
 )
