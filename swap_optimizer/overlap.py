@@ -11,7 +11,7 @@ built:
   which params are read or written (by storage: reads through .data,
   .detach(), a view or an alias made earlier count, under no_grad too) and,
   through global module hooks, which modules of `model` are called, in order.
-- The plan. Each param waits at the last module call before its first read
+- The wait schedule. Each param waits at the last module call before its first read
   inside a module call. Two static rules add to that: a call of a block
   (children of ModuleLists and plain nn.Sequentials) waits for its whole
   subtree, and a call of any module waits for its direct params. Batches are
@@ -293,7 +293,7 @@ def _structure(model: nn.Module) -> list[tuple]:
             for m in model.modules()]
 
 
-class _Plan:
+class _WaitSchedule:
     """Where an overlapped pass waits, from the probe: the expected sequence of
     module calls, and per call the pipeline position that must be ready."""
 
@@ -467,7 +467,7 @@ KNOCKABLE_RULES = {
 
 
 class ForwardOverlap:
-    """The waits of one SwapOptimizer(overlap_forward=True): its probe, plan
+    """The waits of one SwapOptimizer(overlap_forward=True): its probe, wait schedule
     and the state of the pass in progress (from a step() to the next)."""
 
     def __init__(self, optimizer, model: nn.Module, params: list[torch.Tensor]):
@@ -478,7 +478,7 @@ class ForwardOverlap:
         self._check_in_model(params)
         self.params = list(params)
         self.device = params[0].device if params else torch.device("cpu")
-        self.plan: Optional[_Plan] = None
+        self.schedule: Optional[_WaitSchedule] = None
         self.graphed = False     # a CUDA graph captured a forward: later steps complete inside step()
         self.unproven = False    # CUDA: a deferred step no host sync has seen end
         self.watch_captures = self.device.type == "cuda"  # idle calls too: a graph captured before a step
@@ -513,7 +513,7 @@ class ForwardOverlap:
         self.probing = False
         self.owner = None           # the thread that called step()
         self._depth = 0             # open calls of the model's modules on that thread
-        self._index = 0             # the next expected call of the plan's sequence
+        self._index = 0             # the next expected call of the schedule's sequence
         self._waited = -1           # every position up to this one is ready
         self._last_position = -1
         self._spans: Optional[_SpanIndex] = None
@@ -544,7 +544,7 @@ class ForwardOverlap:
             self.first_reads = None  # indices of other params
         self.params = list(params)
         self._set_modules()
-        self.plan = None
+        self.schedule = None
 
     def _set_modules(self) -> None:
         """The modules whose calls count: the model's (and torch.compile
@@ -560,7 +560,7 @@ class ForwardOverlap:
     # ------------------------------------------------------- step() side
     def end_pass(self) -> None:
         """Ends the pass (in step(), after its closure and wait): a probe's
-        record becomes the plan. Raises when the last deferred step's forward
+        record becomes the wait schedule. Raises when the last deferred step's forward
         may have read params before their update."""
         with self._lock:
             probed = self.probing
@@ -582,7 +582,7 @@ class ForwardOverlap:
     def may_defer(self) -> bool:
         """Whether this step may overlap the next forward (else the pass after
         it is a probe, or nothing)."""
-        return self.plan is not None and not self.graphed and not self.root_compiled
+        return self.schedule is not None and not self.graphed and not self.root_compiled
 
     def before_step(self, deferred: bool) -> None:
         """Just before step() runs: a deferred step is in the runtime from
@@ -605,7 +605,7 @@ class ForwardOverlap:
             if deferred:
                 self._begin_overlapped(runtime, grads)
                 self._knock_out_pass_rules()
-            elif self.plan is None and not self.graphed and not self.root_compiled:
+            elif self.schedule is None and not self.graphed and not self.root_compiled:
                 self._begin_probe()
 
     def _knock_out_pass_rules(self) -> None:
@@ -619,7 +619,7 @@ class ForwardOverlap:
             self.unproven = False
 
     def _begin_overlapped(self, runtime, grads) -> None:
-        plan = self.plan
+        schedule = self.schedule
         self.pending = True
         self._pending_runtime = runtime
         self.unproven = self.device.type == "cuda"
@@ -629,8 +629,8 @@ class ForwardOverlap:
         tagged += [(g, i) for i, g in enumerate(grads) if g is not None and i not in self.knocked_out]
         self._spans = _SpanIndex(tagged, self.device)
         self._positions = last
-        if plan.step_position >= 0:
-            self._wait_until(plan.step_position, runtime)
+        if schedule.step_position >= 0:
+            self._wait_until(schedule.step_position, runtime)
         if self.pending:
             self._push_watch()
 
@@ -644,7 +644,7 @@ class ForwardOverlap:
         self._push_watch()
 
     def _settle_probe(self) -> None:
-        """Turns what the probe saw into the plan: batch order and waits."""
+        """Turns what the probe saw into the wait schedule: batch order and waits."""
         optimizer = self._optimizer()
         runtime = optimizer._runtime
         calls = self._probe_calls
@@ -694,7 +694,7 @@ class ForwardOverlap:
         if calls and not self.knocked_out:
             wait_at[-1] = everything  # the pass ends with the step done
         step_position = max((last[i] for i in unseen), default=-1)
-        self.plan = _Plan(_structure(self.model), calls, wait_at, step_position, self._probe_compiled)
+        self.schedule = _WaitSchedule(_structure(self.model), calls, wait_at, step_position, self._probe_compiled)
         if unseen:
             warnings.warn(f"SwapOptimizer(overlap_forward=True): param(s) {self._param_names(unseen)} got grads "
                           "although the probe saw no read of them inside a call of the model (the model run on "
@@ -895,29 +895,29 @@ class ForwardOverlap:
             if capturing(self.device):
                 self._refuse_capture()
                 self._note_capture()
-            plan = self.plan
-            if wrapper or plan.compiled:
+            schedule = self.schedule
+            if wrapper or schedule.compiled:
                 if "compiled" not in self.unguarded:
                     self._wait_until(self._last_position)
                 return
             if self._index == 0 and self._structure_changed():
                 return self._wait_until(self._last_position)
-            if self._index < len(plan.sequence) and plan.sequence[self._index] is module:
-                position = plan.wait_at[self._index]
+            if self._index < len(schedule.sequence) and schedule.sequence[self._index] is module:
+                position = schedule.wait_at[self._index]
                 self._index += 1
                 self._wait_until(position)
             elif "divergence" not in self.unguarded:  # not the probe's sequence: wait for everything here
-                self._index = len(plan.sequence)
+                self._index = len(schedule.sequence)
                 self._wait_until(self._last_position)
 
     def _structure_changed(self) -> bool:
         """The model's modules, or the params they hold, are not those the
-        probe saw, or a module was compiled in place since: the plan no longer
+        probe saw, or a module was compiled in place since: the schedule no longer
         says where reads are (probe again at the next step)."""
         structure = _structure(self.model)
-        if structure == self.plan.structure:
+        if structure == self.schedule.structure:
             return False
-        self.plan = None
+        self.schedule = None
         self._set_modules()
         return True
 

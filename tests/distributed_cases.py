@@ -443,7 +443,7 @@ def case_ddp_overlap(rank, device, work_dir):
             ours._set_test_hooks(copy_delay_us=300, seed=rank)  # the updates lag behind the forward
         train(model, ours, 6, 0, device, rank)
         if overlap:
-            assert ours._overlap.plan is not None and ours._overlap.pending  # the steps after the probe overlap
+            assert ours._overlap.schedule is not None and ours._overlap.pending  # the steps after the probe overlap
         ours.wait()
         runs.append(([p.detach().clone() for p in model.parameters()],
                      [v.clone() for p in model.parameters() for v in ours.state[p].values()]))

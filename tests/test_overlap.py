@@ -202,7 +202,7 @@ def test_compiled_model_waits_once_at_entry():
         optimizer = make_optimizer(model, overlap, device, compiled=compiled)
         logged = train(model, optimizer, 4, device, "plain", forward=compiled)
         if overlap:
-            assert optimizer._overlap.plan.compiled  # the probe saw the wrapper's call
+            assert optimizer._overlap.schedule.compiled  # the probe saw the wrapper's call
         runs.append((logged, snapshot(model, optimizer)))
     for a, b in zip(runs[0][0], runs[1][0]):
         assert torch.equal(a, b)
@@ -290,7 +290,7 @@ def test_the_plan_follows_the_reads():
     model = build(torch.device("cpu"))
     optimizer = make_optimizer(model, True, torch.device("cpu"))
     train(model, optimizer, 2, torch.device("cpu"), "plain")
-    plan = optimizer._overlap.plan
+    plan = optimizer._overlap.schedule
     assert plan.sequence[0] is model and plan.sequence[1] is model.embed
     index = {id(p): i for i, p in enumerate(model.parameters())}
     batches = optimizer._batch_plan()  # pipeline order
@@ -672,7 +672,7 @@ def test_a_model_with_a_compiled_block_waits_once_at_entry():
         optimizer = make_optimizer(model, overlap, device)
         logged = train(model, optimizer, 3, device, "plain")
         if overlap:
-            assert optimizer._overlap.plan.compiled
+            assert optimizer._overlap.schedule.compiled
         runs.append((logged, snapshot(model, optimizer)))
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
     assert_bitwise(runs[0][1], runs[1][1])

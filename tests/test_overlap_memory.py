@@ -67,7 +67,7 @@ def make_optimizer(model, overlap, watch_ops=False, **fields):
     loss_of(model, -1).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    assert not overlap or optimizer._overlap.plan is None and optimizer._overlap.probing
+    assert not overlap or optimizer._overlap.schedule is None and optimizer._overlap.probing
     return optimizer
 
 

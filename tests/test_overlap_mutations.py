@@ -249,7 +249,7 @@ def run(case, overlap, rules=()):
     for step in range(STEPS):
         logged += [t.detach().clone() for t in loop(model, optimizer, step)]
     if overlap:  # the steps after the probe's did overlap
-        assert optimizer._overlap.plan is not None and optimizer._overlap._last_step_deferred
+        assert optimizer._overlap.schedule is not None and optimizer._overlap._last_step_deferred
     optimizer.wait()
     params = [p.detach().clone() for p in model.parameters()]
     state = [v.clone() for p in model.parameters() for v in optimizer.state[p].values()]

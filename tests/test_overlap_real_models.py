@@ -43,7 +43,7 @@ def train(build, batch, loss_of, overlap, steps=5, without_waits=False):
         ema.update_parameters(model)
     optimizer.wait()
     if overlap:
-        assert optimizer._overlap.plan is not None, "the probe never ran"
+        assert optimizer._overlap.schedule is not None, "the probe never ran"
     return logged + [p.detach().clone() for p in (*model.parameters(), *ema.parameters())]
 
 

@@ -41,7 +41,7 @@ def test_overlap_trains_bitwise_like_without(name, feature, device):
         optimizer = make(model, name, overlap)
         logged = train(model, optimizer, 5, device, feature)
         if overlap:  # the steps after the probe ran beside the next forward
-            assert optimizer._overlap.plan is not None and optimizer._overlap._last_step_deferred
+            assert optimizer._overlap.schedule is not None and optimizer._overlap._last_step_deferred
         runs.append((logged, snapshot(model, optimizer)))
     (logged_off, snap_off), (logged_on, snap_on) = runs
     assert len(logged_off) == len(logged_on)
