@@ -4,9 +4,9 @@ OptimizerInfo, torch/testing/_internal/common_optim.py).
 tests/test_optimizer_capabilities.py runs every capability over it: a
 capability set False makes that optimizer's rows skip or assert the refusal.
 
-The capabilities say what the library does today, except `bitwise` for
-Adam/AdamW: the target of issue 31 (torch's own update), which their own
-fused kernel misses by about 1e-7 today."""
+The capabilities say what the library does today: every optimizer here is
+bitwise its plain self with default states (Adam/AdamW through torch's own
+update, as the others)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 // The swap runtime of one SwapOptimizer: the host store (exact-size slabs, pinned
 // on CUDA), the resident store, the staging arenas and the transport, and the
-// step that runs the packed pipeline over them with the fused Adam op.
+// step that runs the packed pipeline over them, each batch updated by the fused
+// Adam op or by a given per-batch update (a Python rule: torch's own update).
 #pragma once
 
 #include "../kernels/packed_layout.h"
