@@ -790,3 +790,22 @@ def test_a_group_value_that_cannot_be_copied_is_shared_not_refused():
         swapped.step()
     assert all(same_bits(p, q) for p, q in zip(a, b))
     assert swapped.param_groups[0]["extra"] is extra
+
+
+def test_every_rule_implements_the_interface_and_optimizer_calls_nothing_else():
+    """Each rule has every member of rules.UpdateRule, and SwapOptimizer calls
+    nothing of its rule beyond them (a new rule needs exactly those)."""
+    import inspect
+    import re
+    from swap_optimizer import optimizer as optimizer_module
+    from swap_optimizer.rules import PackedKernelRule, TorchUpdateRule, UpdateRule, VouchedForRule
+    members = {name for name in dir(UpdateRule) if not name.startswith("_")} - {"optimizer"}
+    for rule in (PackedKernelRule, TorchUpdateRule, VouchedForRule):
+        assert all(callable(getattr(rule, name, None)) or isinstance(getattr(rule, name, None), property)
+                   for name in members), rule
+    called = set(re.findall(r"_rule\.([a-z_]+)", inspect.getsource(optimizer_module)))
+    assert called <= members, called - members
+    torch.manual_seed(0)
+    wrapped = so.SwapOptimizer(torch.optim.SGD([nn.Parameter(torch.randn(8))], lr=0.1, momentum=0.9))
+    assert isinstance(wrapped._rule, UpdateRule)
+

@@ -24,6 +24,7 @@ import torch
 from ..config import SwapOptimizerConfig
 from .declarations import DECLARATIONS, REFUSED, Declaration, declaration_for, keeps_adam_step
 from .fused_kernel import PackedKernelRule, needs_packed_kernel
+from .interface import UpdateRule
 from .torch_update import TorchUpdateRule
 from .vouched_for import VouchedForRule, trusted_declaration
 
@@ -51,4 +52,4 @@ def choose_rule(optimizer: torch.optim.Optimizer, config: SwapOptimizerConfig):
 
 
 __all__ = ["DECLARATIONS", "REFUSED", "Declaration", "PackedKernelRule", "TorchUpdateRule", "VouchedForRule",
-           "choose_rule", "declaration_for"]
+           "UpdateRule", "choose_rule", "declaration_for"]
