@@ -238,7 +238,8 @@ def test_a_row_that_does_not_fit_says_why(tmp_path, capsys):
     assert best["optimizer_device_bytes"] is None and best["fits_host"] is None
     assert best["why_not"].startswith("no room for the optimizer: headroom 1.00 + params 14.96 + grads 14.96 + "
                                       "activations 10.46")
-    assert rows["swapped"]["why_not"] == "device: 44.11 GiB in all, more than 23.00 GiB (24.00 less 1.00 headroom)"
+    # torch's update: its foreach temporaries (three batches of param bytes, 4.68 GiB) counted
+    assert rows["swapped"]["why_not"] == "device: 48.79 GiB in all, more than 23.00 GiB (24.00 less 1.00 headroom)"
     out = printed(capsys)
     assert "best resident share: no plan does not fit: no room for the optimizer" in out
     # Some room, less than the smallest plan: a budget of about 1,000 bytes.
