@@ -1,19 +1,26 @@
-"""Plan before training: what AdamW with SwapOptimizer needs on the device and in
-pinned host memory for a model, before it is built (no weights, no GPU).
+"""Plan before training: what an optimizer (AdamW unless --optimizer) with
+SwapOptimizer needs on the device and in pinned host memory for a model, before
+it is built (no weights, no GPU).
 
     python -m swap_optimizer.plan llama-3.1-8b --device-memory 80
     python -m swap_optimizer.plan --config path/to/config.json --device-memory 24 --state-mode 8bit
+    python -m swap_optimizer.plan llama-3.1-8b --optimizer sgd --optimizer-args momentum=0.9
     python -m swap_optimizer.plan llama-3.1-8b      # counts and bytes only: no device fit, no budget's plan
 
-Every SwapOptimizer figure comes from the runtime's own layout (`_C.plan_staging`
-on meta tensors: memory_stats() of a real step equals it), the device budget's
-planner and its cost model (swap_optimizer.budget); the activations are an
-estimate (see activation_bytes)."""
+Every SwapOptimizer figure comes from the runtime's own layout on meta tensors
+(memory_stats() of a real step equals it): the rule SwapOptimizer chooses for
+the optimizer (rules.choose_rule) lays the store out with `_C.plan_rule_staging`
+from the optimizer's declared states (torch's own update) or `_C.plan_staging`
+(the packed Adam kernel: compact states, master weights, Kahan); then the
+device budget's planner and its cost model (swap_optimizer.budget). The
+activations are an estimate (see activation_bytes)."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -29,6 +36,9 @@ from .budget import (StepCostModel, allocated, choose_plan, device_bytes, fused_
 from .compact import MIN_QUANTIZED_NUMEL
 from .config import SwapOptimizerConfig
 from .presets import PRESETS, DecoderShape, from_hf_config
+from .rules import DECLARATIONS, REFUSED, PackedKernelRule, choose_rule, keeps_adam_step
+from .rules.declarations import ELEMENT, SCALAR, WHOLE
+from .rules.torch_update import update_temporaries
 
 GIB = 1 << 30
 DEFAULTS = SwapOptimizerConfig()
@@ -43,6 +53,11 @@ STATE_MODES = {
     "kahan+8bit": dict(kahan_summation=True, state_dtype=torch.uint8),
 }
 SIXTEEN_BIT_MODES = ("master", "kahan", "kahan+8bit")  # they keep what rounding a 16-bit param loses
+# --optimizer -> the torch.optim class: those SwapOptimizer declares, and those it refuses (REFUSED says why).
+OPTIMIZERS = {cls.__name__.lower(): cls for declaration in DECLARATIONS for cls in declaration.classes}
+OPTIMIZERS.update({cls.__name__.lower(): cls for cls in REFUSED})
+# torch's update on the planned device: its default path there (foreach for most, Adafactor's for-loop).
+PLANNED_DEVICE = torch.device("cuda")
 # Both directions of a PCIe link at once carry about 1.6x one direction (an
 # assumption: full duplex, less the DMA engines' and root complex's limits).
 BOTH_WAYS_FACTOR = 1.6
@@ -127,26 +142,123 @@ class Memory:
                     fits_host=fits_host, why_not="; ".join(reasons) or None, **figures)
 
 
+def muon_matrix(model: DecoderShape, shape: tuple[int, ...]) -> bool:
+    """A param Muon takes: a 2-D matrix of a block, not an embedding (vocab or
+    position rows) or the head, which go to an AdamW beside it (docs/usage.md)."""
+    return len(shape) == 2 and shape[0] not in (model.vocab_size, model.max_positions or -1)
+
+
+def state_rows(optimizer: torch.optim.Optimizer, declaration) -> list[list[tuple]]:
+    """Per param of `optimizer`, the store's (key, kind, unit bytes, dtype,
+    shape) rows for the states its group's settings give it, as
+    TorchUpdateRule lays them out: element states in the param's dtype, whole
+    ones of their declared shape, scalars left where torch keeps them."""
+    layouts = [(p, declaration.states(p, group)) for group in optimizer.param_groups for p in group["params"]]
+    keys: list[str] = []
+    for _, specs in layouts:
+        keys += [spec.name for spec in specs if spec.kind != SCALAR and spec.name not in keys]
+    states = []
+    for p, specs in layouts:
+        by_name = {spec.name: spec for spec in specs}
+        row = []
+        for key in keys:
+            spec = by_name.get(key)
+            if spec is None:
+                row.append((key, "absent", 0, p.dtype, []))
+            elif spec.kind == ELEMENT:
+                row.append((key, "element", p.dtype.itemsize, p.dtype, list(p.shape)))
+            else:
+                shape = tuple(spec.shape(p.shape))
+                row.append((key, "whole", math.prod(shape) * p.dtype.itemsize, p.dtype, list(shape)))
+        states.append(row)
+    return states
+
+
+def state_bytes(row: list[tuple], numel: int) -> int:
+    """The bytes of one param's states (a state_rows row), unaligned."""
+    return sum(unit * numel if kind == "element" else unit for _, kind, unit, _, _ in row)
+
+
 @dataclasses.dataclass(frozen=True)
 class Planner:
-    """One rank's params (meta tensors: nothing is allocated) and the cost model."""
+    """One rank's params (meta tensors: nothing is allocated), the optimizer
+    over them (its groups' settings decide the states) and the cost model."""
 
     params: list[torch.Tensor]
     whole_numels: list[int]  # unsharded sizes: 8-bit moments are decided on the whole param
     cost_model: StepCostModel
+    optimizer: torch.optim.Optimizer
+    optimizer_args: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def make(cls, model: DecoderShape, dtype: torch.dtype, world_size: int, cost_model: StepCostModel) -> "Planner":
-        shapes = model.param_shapes()
-        return cls([torch.empty(rank_shape(shape, world_size), dtype=dtype, device="meta") for shape in shapes],
-                   [math.prod(shape) for shape in shapes], cost_model)
+    def make(cls, model: DecoderShape, dtype: torch.dtype, world_size: int, cost_model: StepCostModel,
+             optimizer_class: type = torch.optim.AdamW, optimizer_args: Optional[dict] = None) -> "Planner":
+        shapes = [shape for shape in model.param_shapes()
+                  if optimizer_class is not torch.optim.Muon or muon_matrix(model, shape)]
+        params = [torch.empty(rank_shape(shape, world_size), dtype=dtype, device="meta", requires_grad=True)
+                  for shape in shapes]
+        args = dict(optimizer_args or {})
+        return cls(params, [math.prod(shape) for shape in shapes], cost_model, optimizer_class(params, **args), args)
+
+    @property
+    def name(self) -> str:
+        return type(self.optimizer).__name__
+
+    @property
+    def constructor(self) -> str:
+        """The wrapped optimizer as a user writes it."""
+        return f"torch.optim.{self.name}(params" + "".join(f", {k}={v!r}" for k, v in self.optimizer_args.items()) \
+            + ")"
+
+    def rule(self, mode: str):
+        """The rule SwapOptimizer chooses for the optimizer in `mode` (a TypeError where it refuses the optimizer)."""
+        return choose_rule(self.optimizer, SwapOptimizerConfig(**STATE_MODES[mode]))
+
+    @functools.cached_property
+    def declaration(self):
+        return self.rule("default").declaration
+
+    def modes(self) -> list[str]:
+        """The state modes planned: default, and the compact ones where the packed kernel runs them (Adam, AdamW)."""
+        return [mode for mode in STATE_MODES if mode == "default" or isinstance(self.rule(mode), PackedKernelRule)]
+
+    def kept_names(self) -> list[str]:
+        """The names of the states the store keeps (element and whole), in the store's order."""
+        return [key for key, *_ in self.states()[0]] if self.params else []
+
+    def states(self) -> list[list[tuple]]:
+        return self._states
+
+    @functools.cached_property
+    def _states(self) -> list[list[tuple]]:
+        return state_rows(self.optimizer, self.declaration)
+
+    def state_bytes_per_param(self) -> float:
+        """Bytes of state per param element in default states (torch's), from the declared states."""
+        numel = sum(p.numel() for p in self.params)
+        return sum(state_bytes(row, p.numel()) for row, p in zip(self.states(), self.params)) / numel if numel else 0.
 
     @property
     def swappable(self) -> list[bool]:
-        """The params SwapOptimizer may swap: min_numel on the local shard, as it checks."""
-        return [p.numel() >= DEFAULTS.min_numel for p in self.params]
+        """The params SwapOptimizer may swap: those that keep a state, min_numel on the local shard, as it checks."""
+        return [p.numel() >= DEFAULTS.min_numel and any(kind != "absent" for _, kind, *_ in row)
+                for p, row in zip(self.params, self.states())]
 
     def lay_out(self, mode: str) -> LayOut:
+        """The store's layout as the rule SwapOptimizer chooses in `mode` makes it."""
+        rule = self.rule(mode)
+        if not isinstance(rule, PackedKernelRule):  # torch's own update on the staged states
+            states = self.states()
+            splittable = [rule.declaration.elementwise and all(kind != "whole" for _, kind, *_ in row)
+                          for row in states]
+            swap_keys = [True] * (len(states[0]) if states else 0)
+
+            def lay_out_states(swappable: list, swap_times: int, num_arenas: int) -> _C.StagingSummary:
+                summary = _C.plan_rule_staging(self.params, states, swappable, splittable, swap_keys,
+                                               swap_times=swap_times, num_arenas=num_arenas)
+                return summary.with_update_temporary_bytes(update_temporaries(
+                    rule.declaration, self.optimizer.param_groups, summary.plan, states, PLANNED_DEVICE))
+            return lay_out_states
         config = SwapOptimizerConfig(**STATE_MODES[mode])
         quantized = [n >= MIN_QUANTIZED_NUMEL for n in self.whole_numels] if config.state_dtype == torch.uint8 else []
 
@@ -166,8 +278,12 @@ class Planner:
         return best
 
     def swap_row(self, memory: Memory, plan: str, settings: str, summary: _C.StagingSummary, swap_times: int,
-                 num_arenas: int) -> dict:
+                 num_arenas: int, mode: str) -> dict:
+        numel = sum(p.numel() for p in self.params)
         return memory.row(plan, settings, device_bytes(summary, num_arenas, 0)["total"], summary.host_state_bytes,
+                          update="packed kernel" if isinstance(self.rule(mode), PackedKernelRule) else "torch",
+                          state_bytes_per_param=sum(summary.param_state_bytes) / numel if numel else 0.,
+                          update_temporary_bytes=summary.update_temporary_bytes,
                           swap_times=swap_times, num_arenas=num_arenas, batches=summary.batches,
                           resident_state_bytes=summary.resident_state_bytes, staging_bytes=summary.staging_bytes,
                           step_table_bytes=summary.step_table_bytes, moved_bytes_each_way=summary.moved_bytes,
@@ -176,25 +292,30 @@ class Planner:
 
     def rows(self, memory: Memory, dtype: torch.dtype, swap_times: Optional[int], num_arenas: Optional[int],
              state_mode: str) -> list[dict]:
-        """torch's AdamW with its state resident; SwapOptimizer in each state
-        mode that applies to `dtype` at swap_times / num_arenas (its defaults
-        where None); and the device budget's plan in `state_mode`."""
-        # torch keeps exp_avg and exp_avg_sq in the param's dtype (its step counts are 0-dim CPU tensors);
+        """The torch optimizer with its state resident; SwapOptimizer in each
+        state mode that applies to the optimizer and `dtype` at swap_times /
+        num_arenas (its defaults where None); and the device budget's plan in
+        `state_mode`."""
+        # torch keeps each element or whole state a tensor of the param's dtype (its scalars: 0-dim tensors);
         # its update streams them as SwapOptimizer's resident store does.
-        torch_state = 2 * sum(allocated(p.numel() * p.element_size()) for p in self.params)
+        torch_state = sum(allocated(unit * p.numel() if kind == "element" else unit)
+                          for row, p in zip(self.states(), self.params) for _, kind, unit, _, _ in row
+                          if kind != "absent")
         all_resident = self.lay_out("default")([False] * len(self.params), 1, 2)
-        rows = [memory.row("resident AdamW", "torch.optim.AdamW(params)", torch_state, 0,
+        rows = [memory.row(f"resident {self.name}", self.constructor, torch_state, 0,
+                           update="torch", state_bytes_per_param=self.state_bytes_per_param(),
                            resident_state_bytes=torch_state, staging_bytes=0, moved_bytes_each_way=0,
                            resident_share=1.0,
                            predicted_step_seconds=self.cost_model.predict(all_resident, 2)["seconds"])]
         fixed_times = DEFAULTS.fixed_swap_times if swap_times is None else swap_times
         fixed_arenas = DEFAULTS.fixed_num_arenas if num_arenas is None else num_arenas
-        for mode in STATE_MODES:
+        for mode in self.modes():
             if mode in SIXTEEN_BIT_MODES and dtype == torch.float32:
                 continue
             summary = self.lay_out(mode)(self.swappable, fixed_times, fixed_arenas)
             rows.append(self.swap_row(memory, "swapped" + ("" if mode == "default" else f" {mode}"),
-                                      settings(mode, swap_times, num_arenas), summary, fixed_times, fixed_arenas))
+                                      self.settings(mode, swap_times, num_arenas), summary, fixed_times,
+                                      fixed_arenas, mode))
         budget = memory.optimizer_budget
         if budget is None:  # no --device-memory: counts and bytes only
             return rows
@@ -204,8 +325,8 @@ class Planner:
             rows.append(memory.row(name, "no plan", None, None,
                                    no_plan=self.no_plan_reason(memory, state_mode, swap_times, num_arenas)))
         else:
-            rows.append(dict(self.swap_row(memory, name, settings(state_mode, swap_times, num_arenas, budget),
-                                           best.summary, best.swap_times, best.num_arenas),
+            rows.append(dict(self.swap_row(memory, name, self.settings(state_mode, swap_times, num_arenas, budget),
+                                           best.summary, best.swap_times, best.num_arenas, state_mode),
                              resident_params=len(best.resident_params)))
         return rows
 
@@ -222,13 +343,13 @@ class Planner:
         return (f"the smallest plan (all swapped, at the finest split) takes {least:,} bytes on the device, more "
                 f"than the optimizer's budget of {budget:,} bytes")
 
-
-def settings(mode: str, swap_times: Optional[int], num_arenas: Optional[int], budget: Optional[int] = None) -> str:
-    """The SwapOptimizer keywords a row stands for."""
-    parts = [f"{key}={value}" for key, value in (("swap_times", swap_times), ("num_arenas", num_arenas),
-                                                 ("device_budget_bytes", budget)) if value is not None]
-    parts += [f"{key}={value}" for key, value in STATE_MODES[mode].items()]
-    return "SwapOptimizer(torch.optim.AdamW(params)" + "".join(f", {part}" for part in parts) + ")"
+    def settings(self, mode: str, swap_times: Optional[int], num_arenas: Optional[int],
+                 budget: Optional[int] = None) -> str:
+        """The SwapOptimizer keywords a row stands for."""
+        parts = [f"{key}={value}" for key, value in (("swap_times", swap_times), ("num_arenas", num_arenas),
+                                                     ("device_budget_bytes", budget)) if value is not None]
+        parts += [f"{key}={value}" for key, value in STATE_MODES[mode].items()]
+        return f"SwapOptimizer({self.constructor}" + "".join(f", {part}" for part in parts) + ")"
 
 
 def gib(nbytes: Optional[int]) -> str:
@@ -269,14 +390,54 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, value in DTYPES.items() if value == dtype)
 
 
-def row_notes(rows: list[dict], dtype: torch.dtype) -> list[str]:
+def state_names(planner: Planner) -> str:
+    """The optimizer's states here, by kind, from its declaration (e.g. 'exp_avg, exp_avg_sq (element) + step
+    (scalar)')."""
+    kinds: dict[str, list[str]] = {}
+    for group in planner.optimizer.param_groups:
+        for p in group["params"]:
+            for spec in planner.declaration.states(p, group):
+                if spec.name not in kinds.setdefault(spec.kind, []):
+                    kinds[spec.kind].append(spec.name)
+    kept = [f"{', '.join(kinds[kind])} ({kind})" for kind in (ELEMENT, WHOLE) if kind in kinds]
+    scalars = f"{', '.join(kinds[SCALAR])} (scalar, kept where torch keeps it)" if SCALAR in kinds else ""
+    return " + ".join(part for part in (", ".join(kept), scalars) if part) or "none"
+
+
+def muon_note(model: DecoderShape, planner: Planner) -> str:
+    """What Muon leaves out of the plan: the params it does not take."""
+    if planner.optimizer.__class__ is not torch.optim.Muon:
+        return ""
+    others = model.numel() - sum(planner.whole_numels)
+    return (f". Muon takes the blocks' 2-D matrices only ({sum(planner.whole_numels):,} params in "
+            f"{len(planner.params)} tensors): the embeddings, norms, biases and head ({others:,} params) go to an "
+            "AdamW beside it, whose state these rows do not count (plan it with --optimizer adamw)")
+
+
+def row_notes(rows: list[dict], dtype: torch.dtype, planner: Planner) -> list[str]:
     """What the rows do not say by themselves."""
-    notes = ["Note: resident AdamW counts its state only, exp_avg and exp_avg_sq (twice the params' bytes). torch's "
-             "update allocates more during step(): its foreach path (the default on CUDA) one more param-sized set "
-             "at once (exp_avg_sq's square root), the for-loop one param's worth, fused=True none. The SwapOptimizer "
-             "rows count their own update's allocations (the fused op's row table)."]
+    ratio = planner.state_bytes_per_param() / dtype.itemsize
+    times = {1.0: "the params' bytes", 2.0: "twice the params' bytes", 3.0: "three times the params' bytes"}.get(
+        ratio, f"{ratio:.3g} x the params' bytes")
     named = {row["plan"]: row for row in rows}
-    if dtype != torch.float32 and named["swapped bf16"]["host_state_bytes"] == named["swapped"]["host_state_bytes"]:
+    if keeps_adam_step(planner.optimizer):
+        kept = " and ".join(", ".join(planner.kept_names()).rsplit(", ", 1))
+        notes = [f"Note: resident {planner.name} counts its state only, {kept} ({times}). torch's update allocates "
+                 "more during step(): its foreach path (the default on CUDA) one more param-sized set at once "
+                 "(exp_avg_sq's square root), the for-loop one param's worth, fused=True none. The swapped rows "
+                 "count their update's allocations: 'swapped' runs torch's own update (an estimate of its foreach "
+                 "temporaries, as memory_stats()['update_temporary_bytes'], no step table), the compact, master and "
+                 "kahan rows the packed kernel (its step table and row table)."]
+    elif planner.state_bytes_per_param() == 0:
+        notes = [f"Note: {planner.constructor} keeps no state here: nothing to swap (SGD: momentum=0.9 through "
+                 "--optimizer-args keeps a momentum_buffer)."]
+    else:
+        notes = [f"Note: resident {planner.name} counts its state only ({times}). torch's update allocates more "
+                 "during step() (foreach intermediates, Adafactor's variance estimate, Muon's Newton-Schulz "
+                 "products): the swapped rows count an estimate of them for torch's default path on CUDA "
+                 "(memory_stats()['update_temporary_bytes'])."]
+    if "swapped bf16" in named and dtype != torch.float32 and \
+            named["swapped bf16"]["state_bytes_per_param"] == named["swapped"]["state_bytes_per_param"]:
         change = "only their rounding (stochastic instead of to nearest)" if dtype == torch.bfloat16 else \
             "their format (bf16: fp32's range, fewer mantissa bits) and rounding (stochastic)"
         notes.append("Note: swapped bf16 stores and moves the same bytes as swapped here: the moments of "
@@ -293,6 +454,40 @@ def say(text: str, first: str = "", indent: str = "    ") -> None:
 
 def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def optimizer_args(text: str) -> dict:
+    """'momentum=0.9,centered=True' -> {'momentum': 0.9, 'centered': True}."""
+    args = {}
+    for part in filter(None, (part.strip() for part in text.split(","))):
+        key, equals, value = part.partition("=")
+        if not equals or not key.strip().isidentifier():
+            raise ValueError(f"{part!r} is not KEY=VALUE")
+        try:
+            args[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{part!r}: {value.strip()!r} is not a Python literal") from None
+    return args
+
+
+def make_planner(args: argparse.Namespace, parser: argparse.ArgumentParser, model: DecoderShape,
+                 dtype: torch.dtype, cost_model: StepCostModel) -> Planner:
+    """The planner for --optimizer, or the parser's error where SwapOptimizer (or torch) refuses it."""
+    cls = OPTIMIZERS[args.optimizer]
+    try:
+        planner = Planner.make(model, dtype, args.world_size, cost_model, cls, args.optimizer_args)
+        rule = planner.rule(args.state_mode)
+        if args.state_mode != "default" and not isinstance(rule, PackedKernelRule):
+            parser.error(f"--state-mode {args.state_mode}: compact states for {cls.__name__}: not in this version "
+                         "of the planner (compact states, master weights and Kahan summation: Adam and AdamW)")
+        rule.check_wrap(SwapOptimizerConfig(**STATE_MODES[args.state_mode]))
+    except (TypeError, ValueError) as error:
+        parser.error(f"--optimizer {args.optimizer}: {error}")
+    if args.world_size > 1 and not planner.declaration.elementwise:
+        parser.error(f"--optimizer {args.optimizer} --world-size {args.world_size}: SwapOptimizer refuses "
+                     f"{cls.__name__} with DTensor params (FSDP2): its update needs the whole param, each rank "
+                     "holds a shard")
+    return planner
 
 
 def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
@@ -319,9 +514,15 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, argparse.
     parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
                         help="sdpa (flash or memory-efficient kernels: no s*s scores kept) or eager (default sdpa)")
     parser.add_argument("--activation-gib", type=float, help="the activations per rank, instead of the estimate")
-    parser.add_argument("--optimizer", default="adamw", help="the optimizer (adamw only for now)")
+    parser.add_argument("--optimizer", default="adamw", type=str.lower, choices=sorted(OPTIMIZERS), metavar="NAME",
+                        help=f"the wrapped torch.optim class, lower case: {', '.join(sorted(OPTIMIZERS))} "
+                             "(default adamw)")
+    parser.add_argument("--optimizer-args", default="", metavar="K=V,...",
+                        help="its keyword arguments, Python literals: momentum=0.9 (SGD, RMSprop), centered=True "
+                             "(RMSprop), amsgrad=True (Adam, AdamW); they decide which states it keeps")
     parser.add_argument("--state-mode", choices=tuple(STATE_MODES), default="default",
-                        help="the state form of the 'best resident share' row (default: the param's dtype, as torch)")
+                        help="the state form of the 'best resident share' row (default: the param's dtype, as torch); "
+                             "compact states, master and kahan: Adam and AdamW only")
     parser.add_argument("--link-gbps", type=float, default=25.0,
                         help="host<->device GB/s each way (default 25: PCIe Gen4 x16, effective)")
     parser.add_argument("--link-both-gbps", type=float,
@@ -334,9 +535,10 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, argparse.
     args = parser.parse_args(argv)
     if sum(x is not None for x in (args.model, args.preset, args.config)) != 1:
         parser.error("name one model: a preset (positional or --preset) or --config PATH/config.json")
-    if args.optimizer.lower() != "adamw":
-        parser.error(f"--optimizer {args.optimizer}: only adamw is planned for now; SwapOptimizer wraps the others "
-                     "too (docs/usage.md, 'Other optimizers'): their memory_stats() after one step give the figures")
+    try:
+        args.optimizer_args = optimizer_args(args.optimizer_args)
+    except ValueError as error:
+        parser.error(f"--optimizer-args: {error}")
     for name in ("world_size", "batch", "seq", "swap_times"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -371,7 +573,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     link = args.link_gbps * 1e9
     both = args.link_both_gbps * 1e9 if args.link_both_gbps else BOTH_WAYS_FACTOR * link
     cost_model = StepCostModel(link, link, both, args.update_gbps * 1e9, BATCH_SECONDS, STEP_SECONDS)
-    planner = Planner.make(model, dtype, args.world_size, cost_model)
+    planner = make_planner(args, parser, model, dtype, cost_model)
     numel, rank_numel = sum(planner.whole_numels), sum(p.numel() for p in planner.params)
     estimated = args.activation_gib is None
     activations = activation_bytes(model, args.batch, args.seq, itemsize, args.attention) if estimated \
@@ -384,6 +586,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     memory = Memory(device, int(args.headroom_gib * GIB), host, reserve, args.ranks_per_host or args.world_size,
                     rank_numel * itemsize, activations)
     rows = planner.rows(memory, dtype, args.swap_times, args.num_arenas, args.state_mode)
+    per_param = planner.state_bytes_per_param()
 
     if estimated:
         eager = " + 5*a*s*s*b" if args.attention == "eager" else ""
@@ -414,7 +617,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"cost model (assumed, not measured): {cost_model.describe()}. Defaults: 25 GB/s each way (PCIe Gen4 x16, "
         f"effective), {BOTH_WAYS_FACTOR}x that both at once, 1000 GB/s update (a datacenter GPU); --link-gbps, "
         "--link-both-gbps, --update-gbps",
-        f"AdamW, min_numel {DEFAULTS.min_numel}. 'swapped' rows: swap_times "
+        f"optimizer: {planner.constructor}: states {state_names(planner)}: {per_param:.4g} bytes of state per param "
+        f"({args.dtype}, as torch keeps them); SwapOptimizer runs torch's own update on them"
+        + (", the packed kernel in the other state modes" if len(planner.modes()) > 1 else "")
+        + muon_note(model, planner),
+        f"{planner.name}, min_numel {DEFAULTS.min_numel}. 'swapped' rows: swap_times "
         f"{args.swap_times or DEFAULTS.fixed_swap_times}, num_arenas {args.num_arenas or DEFAULTS.fixed_num_arenas} "
         "(SwapOptimizer's defaults unless --swap-times, --num-arenas), one per state form"
         + (" (master and kahan need 16-bit params)" if dtype == torch.float32 else "")
@@ -434,7 +641,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  {row['plan']}: {row['settings']}")
         if row["why_not"]:
             say(f"does not fit: {row['why_not']}", first=" " * 6, indent=" " * 8)
-    notes = row_notes(rows, dtype)
+    notes = row_notes(rows, dtype, planner)
     for note in notes:
         say(note)
     if device is None:
@@ -446,6 +653,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         with open(args.json, "w") as out:
             json.dump(dict(model=title, params=numel, rank_params=rank_numel, dtype=args.dtype,
+                           optimizer=dict(name=planner.name, args={k: repr(v) for k, v in args.optimizer_args.items()},
+                                          states=state_names(planner), state_bytes_per_param=per_param,
+                                          planned_params=sum(planner.whole_numels)),
                            world_size=args.world_size, memory=dataclasses.asdict(memory),
                            optimizer_budget_bytes=memory.optimizer_budget, activations_estimated=estimated,
                            cost_model=dataclasses.asdict(cost_model), header=header, rows=rows, notes=notes),

@@ -316,6 +316,36 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
                     _keep_scalar(step.scalars[index], spec.name, entry[spec.name])
 
 
+def update_temporaries(declaration: Declaration, groups: list[dict], plan: list[dict], states: list,
+                       device: torch.device) -> int:
+    """An estimate of the device memory torch's update allocates beyond the
+    staged states, for the largest call over `plan` (one per group, run one
+    after another: foreach intermediates, Newton-Schulz products, ..., see
+    Declaration.temporaries), whose params keep the states `states` (per
+    param, the store's (key, kind, unit bytes, dtype, shape) rows), counting
+    their creation at a first step, as torch's default path runs on `device`
+    (the planner passes cuda for meta params). It comes on top of
+    staging_bytes."""
+    params = [p for group in groups for p in group["params"]]
+    group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
+    largest = 0
+    for batch in plan:
+        rows_by_group: dict[int, list] = {}
+        new_state_bytes: dict[int, int] = {}
+        for index, offset, count in batch["pieces"]:
+            local = _local(params[index])
+            whole = count == local.numel()
+            g = group_of[index]
+            rows_by_group.setdefault(g, []).append((tuple(local.shape) if whole else (count,),
+                                                    local.element_size()))
+            new_state_bytes[g] = new_state_bytes.get(g, 0) + sum(
+                unit * count if kind == "element" else unit if whole else 0
+                for _, kind, unit, _, _ in states[index])
+        for g, rows in rows_by_group.items():
+            largest = max(largest, estimated_temporaries(declaration, rows, groups[g], device, new_state_bytes[g]))
+    return largest
+
+
 class TorchUpdateRule:
     """torch's own update of the wrapped class, run on each batch's staged
     views (see the module docstring). It keeps the store's layout for the
@@ -812,30 +842,8 @@ class TorchUpdateRule:
         self._lay_out(opt, {}, learned=self._learned_from([], {}, None))
 
     def _temporaries_of(self, plan: list[dict], states: list) -> int:
-        """An estimate of the device memory torch's update allocates beyond
-        the staged states, for the largest call over `plan` (one per group,
-        run one after another: foreach intermediates, Newton-Schulz products,
-        ..., see Declaration.temporaries), whose params keep the states
-        `states` (per param, the store's (key, kind, unit bytes, dtype, shape)
-        rows), counting their creation at a first step. It comes on top of
-        staging_bytes."""
+        """update_temporaries for this rule's optimizer, on its params' device."""
         groups = self.optimizer.param_groups
         params = [p for group in groups for p in group["params"]]
-        group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
-        largest = 0
-        for batch in plan:
-            rows_by_group: dict[int, list] = {}
-            new_state_bytes: dict[int, int] = {}
-            for index, offset, count in batch["pieces"]:
-                local = _local(params[index])
-                whole = count == local.numel()
-                g = group_of[index]
-                rows_by_group.setdefault(g, []).append((tuple(local.shape) if whole else (count,),
-                                                        local.element_size()))
-                new_state_bytes[g] = new_state_bytes.get(g, 0) + sum(
-                    unit * count if kind == "element" else unit if whole else 0
-                    for _, kind, unit, _, _ in states[index])
-            for g, rows in rows_by_group.items():
-                largest = max(largest, estimated_temporaries(self.declaration, rows, groups[g],
-                                                             _local(params[0]).device, new_state_bytes[g]))
-        return largest
+        device = _local(params[0]).device if params else torch.device("cpu")
+        return update_temporaries(self.declaration, groups, plan, states, device)
