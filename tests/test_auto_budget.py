@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import swap_optimizer as so
+from conftest import PACKED_KERNEL
 from test_device_budget import SLOW_LINK, SWAP_TIMES, adamw, build, train, unbudgeted_device_bytes
 
 WARMUP = 2
@@ -296,7 +297,7 @@ class Routed(Blocks):
         return super().forward(self.extra(x) if self.forwards % 2 else x)
 
 
-def run_blocks(cls, make, overlap, budget=None, steps=6, moves=None):
+def run_blocks(cls, make, overlap, budget=None, steps=6, moves=None, **settings):
     """Trains `cls` on fresh random batches; `moves` collects the steps at
     which the store moved; returns the model, the optimizer and, per step,
     whether it was deferred into the next forward."""
@@ -304,7 +305,7 @@ def run_blocks(cls, make, overlap, budget=None, steps=6, moves=None):
     model = cls()
     fields = dict(overlap_forward=True, model=model) if overlap else {}
     optimizer = so.SwapOptimizer(make(model.parameters()), swap_times=4, num_arenas=2, cost_model=SLOW_LINK,
-                                 **({} if budget is None else dict(device_budget_bytes=budget)), **fields)
+                                 **({} if budget is None else dict(device_budget_bytes=budget)), **fields, **settings)
     if moves is not None:
         move = optimizer._move_to_new_plan
         optimizer._move_to_new_plan = lambda undo: (moves.append(step), move(undo))
@@ -320,25 +321,27 @@ def run_blocks(cls, make, overlap, budget=None, steps=6, moves=None):
     return model, optimizer, deferred
 
 
-def a_quarter_resident_budget(cls, make):
-    _, probe, _ = run_blocks(cls, make, False, steps=1)
+def a_quarter_resident_budget(cls, make, **settings):
+    _, probe, _ = run_blocks(cls, make, False, steps=1, **settings)
     return probe.plan_report()["chosen"]["device_bytes"] + probe.memory_stats()["host_state_bytes"] // 4
 
 
 SGD = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731  (the rule path)
 
 
-@pytest.mark.parametrize("make", [adamw, SGD], ids=["adamw", "sgd"])
-def test_with_overlap_the_residents_follow_the_forward_and_each_block_has_its_own(make):
+# (AdamW under the packed kernel: its budget has no first-step states to make
+# room for, so a quarter of the state keeps the embedding out in param order)
+@pytest.mark.parametrize("make, settings", [(adamw, PACKED_KERNEL), (SGD, {})], ids=["adamw-packed", "sgd"])
+def test_with_overlap_the_residents_follow_the_forward_and_each_block_has_its_own(make, settings):
     """A budget with overlap_forward: once a forward was probed, the store is
     laid out again, once, at a step boundary, keeping resident the params the
     forward reads first, each block's in a resident batch of its own (block 0
     does not wait for the others' updates); later steps are deferred into the
     forward as before; bitwise the same loop without overlap."""
-    budget = a_quarter_resident_budget(Blocks, make)
-    plain_model, plain, _ = run_blocks(Blocks, make, False, budget)
+    budget = a_quarter_resident_budget(Blocks, make, **settings)
+    plain_model, plain, _ = run_blocks(Blocks, make, False, budget, **settings)
     moves = []
-    model, optimizer, deferred = run_blocks(Blocks, make, True, budget, moves=moves)
+    model, optimizer, deferred = run_blocks(Blocks, make, True, budget, moves=moves, **settings)
     assert_bitwise(snapshot(optimizer, model), snapshot(plain, plain_model))
     assert len(moves) == 1 and all(deferred[moves[0] + 1:])  # the moving step probes the new store
     names = [name for name, _ in model.named_parameters()]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from conftest import DEVICES
+from conftest import PACKED_KERNEL, DEVICES
 from swap_training import build_model, loss_of, side_by_side, state_tensors, swap_optimizer, train
 
 TRAIN_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -41,8 +41,9 @@ def test_lr_scheduler(device):
 def test_grad_scaler_with_an_inf_step_and_clipping(unscale_in_step, device):
     """Both ways GradScaler can drive the step: unscaling and the inf check on
     the host (the default for a plain AdamW), or handed to step()."""
-    (model, ours), (twin, plain) = side_by_side("mlp", "adamw", device, swap_times=2,
-                                                unscale_in_step=unscale_in_step)
+    # (handed to step(): the packed kernel's settings, as torch's AdamW takes the scale only fused)
+    (model, ours), (twin, plain) = side_by_side("mlp", "adamw", device, swap_times=2, unscale_in_step=unscale_in_step,
+                                                **(PACKED_KERNEL if unscale_in_step else {}))
     assert ours._step_supports_amp_scaling is unscale_in_step
     scalers = [torch.amp.GradScaler(device, init_scale=2.0 ** 12, growth_interval=3) for _ in range(2)]
     for step in range(12):

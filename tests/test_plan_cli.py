@@ -194,6 +194,7 @@ def test_refuses_unknown_model_types_naming_the_supported_ones(tmp_path, capsys)
         from_hf_config(missing)
 
 
+@pytest.mark.slow  # the budget search over an 8B model's layouts: minutes (docs/usage.md, the planner)
 def test_fits_host_leaves_a_reserve_for_the_os(tmp_path, capsys):
     """Pinned pages cannot be swapped out: a plan pinning 28.09 of 28.16 GiB
     of RAM does not fit. The reserve is max(2 GiB, 10% of RAM), or given.
@@ -255,6 +256,7 @@ def test_a_row_that_does_not_fit_says_why(tmp_path, capsys):
     assert int(why.split(" takes ")[1].split(" bytes")[0].replace(",", "")) > budget
 
 
+@pytest.mark.slow  # the budget search over an 8B model's layouts: minutes (docs/usage.md, the planner)
 def test_device_memory_is_optional_for_counts_and_bytes(tmp_path, capsys):
     report, rows = run_plan(tmp_path, "llama-3.1-8b", "--host-memory", 128)
     out = printed(capsys)

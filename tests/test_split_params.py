@@ -6,6 +6,10 @@ training); a fault inside a split param leaves every element with its states
 either old or new; interrupts stop only at param boundaries.
 """
 
+# The budget, GradScaler-in-step, fault and interrupt tests below run the
+# packed kernel (PACKED_KERNEL): they pin its store layout, its step table and
+# its signal timing; torch's update has its own (test_rules.py, the case table).
+
 import functools
 import re
 
@@ -16,7 +20,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import swap_optimizer as so
-from conftest import DEVICES
+from conftest import PACKED_KERNEL, DEVICES
 from swap_training import round_trip
 
 TRAIN_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -165,17 +169,17 @@ def test_staging_follows_swap_times_not_the_largest_param():
 def test_staging_budget_below_the_largest_param_is_met(device):
     model = build(device)
     budget = model.embed.weight.numel() * 8 // 3
-    optimizer = so.SwapOptimizer(adamw(model.parameters()), staging_budget_bytes=budget)
+    optimizer = so.SwapOptimizer(adamw(model.parameters()), staging_budget_bytes=budget, **PACKED_KERNEL)
     train(model, optimizer, 2, device)
     stats = optimizer.memory_stats()
     assert stats["split_params"] == 1 and stats["peak_staging_bytes"] <= budget
     # Below a few pieces no split fits: the error names the smallest budget that works.
     with pytest.raises(ValueError, match="staging_budget_bytes=100000 is too small: the smallest budget that works "
                                          "is (\\d+) bytes") as info:
-        so.SwapOptimizer(adamw(model.parameters()), staging_budget_bytes=100_000)
+        so.SwapOptimizer(adamw(model.parameters()), staging_budget_bytes=100_000, **PACKED_KERNEL)
     smallest = int(re.search("works is (\\d+) bytes", str(info.value)).group(1))
     assert 100_000 < smallest <= 2 * (2 * MIN_PIECE_BYTES + 8192) + 256  # two arenas of a few pieces
-    fitted = so.SwapOptimizer(adamw(model.parameters()), staging_budget_bytes=smallest)
+    fitted = so.SwapOptimizer(adamw(model.parameters()), staging_budget_bytes=smallest, **PACKED_KERNEL)
     train(model, fitted, 1, device)
     assert fitted.memory_stats()["peak_staging_bytes"] <= smallest
 
@@ -231,7 +235,8 @@ def test_grad_scaler_skip_step_with_split_params(device):
     for swap_times in (1, 8):
         model = build(device)
         twin = plain_twin(model, weight_decay=0.1)
-        optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=swap_times, unscale_in_step=True)
+        optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=swap_times, unscale_in_step=True,
+                                     **PACKED_KERNEL)
         scalers = [torch.amp.GradScaler(device, init_scale=2.0 ** 10) for _ in range(2)]
         for step in range(4):
             before = snapshot(optimizer, model)
@@ -318,7 +323,7 @@ FAULT_SETUPS = {
 @pytest.mark.parametrize("fault", ["stage_in", "update", "update_last_call"])
 def test_fault_inside_and_outside_a_split_param_keeps_every_element_consistent(fault, num_arenas, setup, device):
     model = build(device)
-    optimizer = so.SwapOptimizer(adamw(two_groups(model)), swap_times=6, num_arenas=num_arenas,
+    optimizer = so.SwapOptimizer(adamw(two_groups(model)), swap_times=6, num_arenas=num_arenas, **PACKED_KERNEL,
                                  **FAULT_SETUPS[setup])
     plan = optimizer._batch_plan()
     assert plan[0]["resident"]
@@ -397,7 +402,7 @@ def test_fault_in_a_step_grad_scaler_skips_tears_nothing(device):
     """With found_inf set the step writes nothing, so a fault inside the split
     param leaves nothing partly updated and marks nothing torn."""
     model = build(device)
-    optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=6)
+    optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=6, **PACKED_KERNEL)
     train(model, optimizer, 2, device)
     middle_of_embedding = [b for b, batch in enumerate(optimizer._batch_plan()) if 2 in batch["params"]][2]
     before = snapshot(optimizer, model)
@@ -453,7 +458,7 @@ def test_empty_params_beside_split_params(device):
 @pytest.mark.parametrize("num_arenas", [2, 3])
 def test_interrupt_at_every_batch_leaves_whole_params(num_arenas):
     model = build("cpu")
-    optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=6, num_arenas=num_arenas)
+    optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=6, num_arenas=num_arenas, **PACKED_KERNEL)
     plan = optimizer._batch_plan()
     train(model, optimizer, 2, "cpu")
     for fault_batch in range(1, len(plan)):
