@@ -220,7 +220,8 @@ class SwapOptimizer(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
-        rule.start(self, {p: dict(s) for p, s in optimizer.state.items() if s})
+        # (a key that is not a param: the rule refuses it, naming it)
+        rule.start(self, {p: dict(s) for p, s in optimizer.state.items() if torch.is_tensor(p) and s})
         _claim(optimizer, self)
 
     # ----------------------------------------------------------------- state

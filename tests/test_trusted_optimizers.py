@@ -244,7 +244,7 @@ class CounterFromTheStart(Lion):
 
     def __init__(self, params):
         super().__init__(params)
-        self.state["total_step"] = 0
+        self.state["total_step"] = 1  # (not 0: a truthy non-dict value must be refused too, not iterated)
 
 
 def test_state_under_a_key_that_is_not_a_param_is_refused_at_wrap_time():

@@ -377,13 +377,16 @@ class TorchUpdateRule:
 
     def start(self, opt, existing: dict) -> None:
         """Lays out the first store, filled from the wrapped optimizer's state."""
+        self._refuse_foreign_keys(opt)
+        self._lay_out(opt, existing)
+
+    def _refuse_foreign_keys(self, opt) -> None:
         foreign = foreign_state_keys(self.optimizer.state, {id(p) for p in opt._params()})
         if foreign:
             raise ValueError(f"SwapOptimizer: {type(self.optimizer).__name__} keeps state under {foreign}, keys "
                              "that are not its params (a step counter shared by all params, say); SwapOptimizer "
                              "runs the step batch by batch and cannot keep such a value. This optimizer cannot be "
                              "wrapped; keep its state on the device")
-        self._lay_out(opt, existing)
 
     @property
     def views(self) -> Optional[list[dict]]:

@@ -254,6 +254,7 @@ class VouchedForRule(TorchUpdateRule):
     def start(self, opt, existing: dict) -> None:
         """The states the optimizer made already (in its __init__) must be on
         their params' devices; their params' next updates learn the rest."""
+        self._refuse_foreign_keys(opt)
         index_of = {id(p): i for i, p in enumerate(opt._params())}
         for p, entry in existing.items():
             _learn_layout(index_of[id(p)], p, entry, type(self.optimizer).__name__, check_device=True)
