@@ -22,8 +22,8 @@ echo "== AddressSanitizer + UndefinedBehaviorSanitizer: CPU suite"
 SWAP_OPTIMIZER_SANITIZE=address,undefined MAX_JOBS="${MAX_JOBS:-2}" \
   "$PY" setup.py -q build_ext --build-temp "$WORK/asan_build" --build-lib "$WORK/asan_lib" >"$WORK/asan_build.log" 2>&1 \
   || { tail -40 "$WORK/asan_build.log"; exit 1; }
-cp swap_optimizer/*.py "$WORK/asan_lib/swap_optimizer/"
-mkdir -p "$WORK/asan_lib/swap_optimizer/bench" && cp swap_optimizer/bench/*.py "$WORK/asan_lib/swap_optimizer/bench/"
+# every Python module of the package, subpackages (bench/, rules/) included
+(cd swap_optimizer && find . -name '*.py' -exec cp --parents {} "$WORK/asan_lib/swap_optimizer/" \;)
 preload="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
 # -P keeps the source folder (cwd) off sys.path, so the instrumented build is the one imported.
 LD_PRELOAD="$preload" PYTHONPATH="$WORK/asan_lib" ASAN_OPTIONS="detect_leaks=0" "$PY" -P -c \
