@@ -64,13 +64,16 @@ class Declaration:
     # What foreach=None runs: torch's default picks foreach on CUDA for most
     # optimizers (_default_to_fused_or_foreach); Adafactor keeps its for-loop.
     foreach_by_default_on_cuda: bool = True
-    # Whether a 16-bit param may be cut on the CPU. torch's CPU kernels may
-    # round a 16-bit element differently in their vectorised body and their
-    # scalar tail, and where tails fall depends on how the threads share a
-    # tensor, so a cut can change torch's own result (SGD's does). Set only
-    # where a test proves cut and whole bitwise alike for every implementation
-    # flag (tests/test_rules.py::test_cut_16_bit_params_on_cpu_where_declared).
-    cuts_16_bit_on_cpu: bool = False
+    # Whether a 16-bit param of this group may be cut on the CPU (group -> bool).
+    # torch's CPU kernels may round a 16-bit element differently in their
+    # vectorised body and their scalar tail (an `add(..., alpha=)` fuses a
+    # multiply-add in the body only), and where tails fall depends on how the
+    # threads share a tensor, so a cut can change torch's own result (SGD's
+    # does, and Adam's L2 weight decay). Say True only for settings a test
+    # proves cut and whole bitwise alike for every implementation flag
+    # (tests/test_rules.py::test_cut_16_bit_params_on_cpu_where_declared);
+    # None: never.
+    cuts_16_bit_on_cpu: Optional[Callable[[dict], bool]] = None
     # Which optimizers match beyond the classes themselves (subclasses that
     # keep the class's step); None: the classes only.
     also_matches: Optional[Callable[[torch.optim.Optimizer], bool]] = None
@@ -138,6 +141,14 @@ def keeps_adam_step(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, torch.optim.Adam) and inspect.unwrap(type(optimizer).step) is _ADAM_STEP
 
 
+def _adam_cuts_16_bit_on_cpu(group: dict) -> bool:
+    """Adam/AdamW's update ops round alike in torch's vector body and scalar
+    tail, except the L2 weight decay's `grad.add(param, alpha=weight_decay)`
+    of the for-loop and foreach paths (fused computes it per element)."""
+    l2_decay = group["weight_decay"] != 0 and not group.get("decoupled_weight_decay", False)
+    return bool(group.get("fused")) or not l2_decay
+
+
 def _adam_states(param, group):
     states = _scalars("step") + _elements("exp_avg", "exp_avg_sq")
     if group["amsgrad"]:
@@ -191,7 +202,7 @@ DECLARATIONS: list[Declaration] = [
     # With default states Adam and AdamW run torch's own update (bitwise); compact
     # states, master weights and Kahan summation run the packed kernel instead.
     Declaration((torch.optim.Adam, torch.optim.AdamW), _adam_states, elementwise=True, takes_grad_scale=True,
-                cuts_16_bit_on_cpu=True, also_matches=keeps_adam_step),
+                cuts_16_bit_on_cpu=_adam_cuts_16_bit_on_cpu, also_matches=keeps_adam_step),
     Declaration((torch.optim.SGD,), _sgd_states, elementwise=True, takes_grad_scale=True),
     Declaration((torch.optim.Adagrad,), lambda p, g: _scalars("step") + _elements("sum"), elementwise=True,
                 takes_grad_scale=True),

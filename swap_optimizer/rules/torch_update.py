@@ -405,6 +405,12 @@ class TorchUpdateRule:
                                            else None) for spec in self.declaration.states(p, group)))
         return layouts
 
+    def _cuts_16_bit_on_cpu(self, opt) -> list[bool]:
+        """Per param in group order, whether its group's settings let a 16-bit
+        param be cut on the CPU."""
+        allowed = self.declaration.cuts_16_bit_on_cpu
+        return [allowed is not None and allowed(group) for group in opt.param_groups for _ in group["params"]]
+
     def _lay_out(self, opt, previous: dict, learned: Optional[dict] = None) -> None:
         """Builds the store for the current params and their layouts, filled
         from `previous` (param -> its state as torch.optim holds it); a trusted
@@ -419,8 +425,9 @@ class TorchUpdateRule:
         for specs in layouts:
             keys += [s.name for s in specs if s.kind != SCALAR and s.name not in keys]
         locals_ = [_local(p) for p in params]  # a DTensor's shard on this rank: what the store holds
+        cuts_16_bit = self._cuts_16_bit_on_cpu(opt)
         states, swappable, splittable = [], [], []
-        for p, specs in zip(locals_, layouts):
+        for p, specs, cut_16_bit in zip(locals_, layouts, cuts_16_bit):
             by_name = {s.name: s for s in specs}
             row = []
             for key in keys:
@@ -436,9 +443,9 @@ class TorchUpdateRule:
             states.append(row)
             kept = any(s.kind != SCALAR for s in specs)
             swappable.append(kept and p.numel() >= opt.config.min_numel and p.is_contiguous())
-            # A 16-bit param is cut on the CPU only where the rule's cut is proven
-            # exact (Declaration.cuts_16_bit_on_cpu).
-            cpu_16_bit = p.device.type == "cpu" and p.element_size() < 4 and not self.declaration.cuts_16_bit_on_cpu
+            # A 16-bit param is cut on the CPU only where its group's settings make
+            # the cut proven exact (Declaration.cuts_16_bit_on_cpu).
+            cpu_16_bit = p.device.type == "cpu" and p.element_size() < 4 and not cut_16_bit
             splittable.append(self.declaration.elementwise and all(s.kind != WHOLE for s in specs) and not cpu_16_bit)
         unknown = [k for k in (opt.config.state_keys or ()) if k not in keys]
         # A trusted optimizer's names are known once every param has stepped.
@@ -490,6 +497,7 @@ class TorchUpdateRule:
         opt._planning = planning
         self._moves_whole = [swap and not cut for swap, cut in zip(planning.swappable, splittable)]
         self._layouts_now = layouts
+        self._cuts_16_bit_now = cuts_16_bit
         self._views = views
         # What `state` shows: DTensors over the store's views for DTensor params
         # (made once: _sync_edits tells edits by identity).
@@ -580,16 +588,17 @@ class TorchUpdateRule:
         return entry
 
     def _follow(self, opt) -> None:
-        """Lays the store out again when the params, or the states a param that
-        has not stepped yet would keep, changed since (param_groups edited, a
-        scheduler that turned momentum on before the first step). A param that
-        has stepped keeps its states, as torch's; a change of setting that
-        would need others is refused."""
+        """Lays the store out again when the params, the states a param that
+        has not stepped yet would keep (param_groups edited, a scheduler that
+        turned momentum on before the first step), or whether a 16-bit param
+        may be cut on the CPU (Adam's weight decay turned on) changed since. A
+        param that has stepped keeps its states, as torch's; a change of
+        setting that would need others is refused."""
         params = opt._params()
         layouts = self._layouts(opt)
         same_params = [id(p) for p in params] == opt._param_ids and \
             [len(g["params"]) for g in opt.param_groups] == opt._group_sizes
-        if same_params and layouts == self._layouts_now:
+        if same_params and layouts == self._layouts_now and self._cuts_16_bit_on_cpu(opt) == self._cuts_16_bit_now:
             return
         if same_params:
             for i, (now, then) in enumerate(zip(layouts, self._layouts_now)):
