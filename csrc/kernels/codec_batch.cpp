@@ -58,7 +58,13 @@ class CallCheck {
     }
   }
 
-  c10::Device device() const { return device_.value_or(c10::Device(c10::kCPU)); }
+  // After every tensor is checked: the overlap check, then an empty batch on the call's device.
+  CodecBatch finish() {
+    no_overlap();
+    CodecBatch batch;
+    batch.device = device_.value_or(c10::Device(c10::kCPU));
+    return batch;
+  }
   void written(std::initializer_list<const char*> names) { written_ = names; }
 
  private:
@@ -106,12 +112,24 @@ void check_map(const char* op, size_t index, int64_t map_kind) {
                     map_kind, " is neither ", int(kSignedMap), " (signed) nor ", int(kUnsignedMap), " (unsigned)");
 }
 
-void add_chunks(const char* op, CodecBatch& batch, size_t index) {
-  const int64_t numel = batch.entries.back().numel;
-  const int64_t chunks = (numel + kCodecChunkElements - 1) / kCodecChunkElements;
+// The entry converting `in` into `out`; `values` is whichever of them holds values.
+CodecEntry make_entry(const at::Tensor& in, const at::Tensor& out, const at::Tensor& values, float* absmax) {
+  CodecEntry e{};
+  e.in = in.const_data_ptr();
+  e.out = out.data_ptr();
+  e.absmax = absmax;
+  e.numel = in.numel();
+  e.value_dtype = value_dtype_of(values);
+  return e;
+}
+
+// Appends tensor `index`'s entry and its chunks.
+void add_entry(const char* op, CodecBatch& batch, size_t index, const CodecEntry& e) {
+  const int64_t chunks = (e.numel + kCodecChunkElements - 1) / kCodecChunkElements;
   TORCH_CHECK_VALUE(chunks <= std::numeric_limits<int32_t>::max() &&
                         index <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
-                    op, ": tensor ", index, " is too large (", numel, " elements); split it");
+                    op, ": tensor ", index, " is too large (", e.numel, " elements); split it");
+  batch.entries.push_back(e);
   for (int64_t c = 0; c < chunks; ++c) batch.chunks.push_back({static_cast<int32_t>(index), static_cast<int32_t>(c)});
 }
 
@@ -134,19 +152,11 @@ CodecBatch plan_decode_8bit(const char* op, at::TensorList codes, at::TensorList
     check_absmax(op, i, absmax[i], codes[i].numel());
     check_map(op, i, code_map[i]);
   }
-  check.no_overlap();
-  CodecBatch batch;
-  batch.device = check.device();
+  CodecBatch batch = check.finish();
   for (size_t i = 0; i < codes.size(); ++i) {
-    CodecEntry e{};
-    e.in = codes[i].const_data_ptr();
-    e.out = out[i].data_ptr();
-    e.absmax = absmax[i].data_ptr<float>();
-    e.numel = codes[i].numel();
-    e.value_dtype = value_dtype_of(out[i]);
+    CodecEntry e = make_entry(codes[i], out[i], out[i], absmax[i].data_ptr<float>());
     e.map_kind = static_cast<int32_t>(code_map[i]);
-    batch.entries.push_back(e);
-    add_chunks(op, batch, i);
+    add_entry(op, batch, i, e);
   }
   return batch;
 }
@@ -175,20 +185,12 @@ CodecBatch plan_encode_8bit(const char* op, at::TensorList values, at::TensorLis
                       " is a rule for states that are never negative and needs the unsigned map (code_map ",
                       int(kUnsignedMap), "); signed states round to nearest");
   }
-  check.no_overlap();
-  CodecBatch batch;
-  batch.device = check.device();
+  CodecBatch batch = check.finish();
   for (size_t i = 0; i < values.size(); ++i) {
-    CodecEntry e{};
-    e.in = values[i].const_data_ptr();
-    e.out = codes[i].data_ptr();
-    e.absmax = absmax[i].data_ptr<float>();
-    e.numel = values[i].numel();
-    e.value_dtype = value_dtype_of(values[i]);
+    CodecEntry e = make_entry(values[i], codes[i], values[i], absmax[i].data_ptr<float>());
     e.map_kind = static_cast<int32_t>(code_map[i]);
     e.rounding = static_cast<int32_t>(rounding[i]);
-    batch.entries.push_back(e);
-    add_chunks(op, batch, i);
+    add_entry(op, batch, i, e);
   }
   return batch;
 }
@@ -219,20 +221,13 @@ CodecBatch plan_encode_bf16(const char* op, at::TensorList values, at::TensorLis
     TORCH_CHECK_VALUE(step[i] >= 0 && step[i] <= std::numeric_limits<uint32_t>::max(), op, ": tensor ", i,
                       ": step ", step[i], " is outside 0..2^32-1");
   }
-  check.no_overlap();
-  CodecBatch batch;
-  batch.device = check.device();
+  CodecBatch batch = check.finish();
   for (size_t i = 0; i < values.size(); ++i) {
-    CodecEntry e{};
-    e.in = values[i].const_data_ptr();
-    e.out = out[i].data_ptr();
-    e.numel = values[i].numel();
+    CodecEntry e = make_entry(values[i], out[i], values[i], nullptr);
     e.global_offset = global_offset[i];
     e.rounding_key = rounding_key(static_cast<uint64_t>(seed), param_index[i], static_cast<int>(state_index[i]));
-    e.value_dtype = kCodecFloat;
     e.step = static_cast<uint32_t>(step[i]);
-    batch.entries.push_back(e);
-    add_chunks(op, batch, i);
+    add_entry(op, batch, i, e);
   }
   return batch;
 }
