@@ -16,7 +16,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import swap_optimizer as so
 
@@ -44,18 +43,7 @@ def train(name, fields, corpus, offsets):
     model = parity.build_model(torch.float32)
     inner = make(model.parameters(), peak)
     optimizer = inner if fields is None else so.SwapOptimizer(inner, swap_times=parity.SWAP_TIMES, **fields)
-    losses = []
-    for step in range(STEPS):
-        for group in optimizer.param_groups:
-            group["lr"] = peak * parity.lr_at(step, STEPS) / parity.LR
-        tokens, targets = parity.get_batch(corpus, offsets[step])
-        loss = F.cross_entropy(model(tokens).float().view(-1, 256), targets.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
-            break
+    losses = parity.train_loop(model, optimizer, corpus, offsets, peak_lr=peak)
     tail = losses[-parity.FINAL_WINDOW:]
     final = sum(tail) / len(tail) if len(losses) == STEPS else float("nan")
     each_way = None if fields is None else optimizer.memory_stats()["bytes_per_param_each_way"]
