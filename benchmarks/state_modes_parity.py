@@ -167,14 +167,27 @@ def train_mode(name: str, dtype: torch.dtype, fields: Optional[dict], corpus: to
     model = build_model(dtype)
     inner = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     optimizer = inner if fields is None else swap_optimizer.SwapOptimizer(inner, swap_times=SWAP_TIMES, **fields)
-    losses = []
     start = time.perf_counter()
+    losses = train_loop(model, optimizer, corpus, offsets)
+    wall = time.perf_counter() - start
+    bytes_each_way = None if fields is None else optimizer.memory_stats()["bytes_per_param_each_way"]
+    return {"mode": name, "param_dtype": str(dtype).replace("torch.", ""),
+            "swap_fields": None if fields is None else {k: str(v) if isinstance(v, torch.dtype) else v
+                                                        for k, v in fields.items()},
+            "losses": losses, "wall_s": wall, "bytes_per_param_each_way": bytes_each_way}
+
+
+def train_loop(model: nn.Module, optimizer, corpus: torch.Tensor, offsets: torch.Tensor,
+               peak_lr: float = LR) -> list[float]:
+    """One loss per step (stops at a non-finite one): the schedule lr_at
+    scaled to peak_lr, the loss in fp32 for every mode."""
+    losses = []
     steps = offsets.shape[0]
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, steps)
+            group["lr"] = lr_at(step, steps) * (peak_lr / LR)  # (exactly lr_at at peak_lr=LR)
         tokens, targets = get_batch(corpus, offsets[step])
-        logits = model(tokens).float()  # the loss in fp32 for every mode
+        logits = model(tokens).float()
         loss = F.cross_entropy(logits.view(-1, 256), targets.reshape(-1))
         loss.backward()
         optimizer.step()
@@ -182,12 +195,7 @@ def train_mode(name: str, dtype: torch.dtype, fields: Optional[dict], corpus: to
         losses.append(loss.item())
         if not math.isfinite(losses[-1]):
             break
-    wall = time.perf_counter() - start
-    bytes_each_way = None if fields is None else optimizer.memory_stats()["bytes_per_param_each_way"]
-    return {"mode": name, "param_dtype": str(dtype).replace("torch.", ""),
-            "swap_fields": None if fields is None else {k: str(v) if isinstance(v, torch.dtype) else v
-                                                        for k, v in fields.items()},
-            "losses": losses, "wall_s": wall, "bytes_per_param_each_way": bytes_each_way}
+    return losses
 
 
 def lr_at(step: int, steps: int) -> float:

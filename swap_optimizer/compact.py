@@ -23,6 +23,9 @@ MIN_QUANTIZED_NUMEL = 4096  # smaller params keep unquantized moments
 MOMENTS = _C.adam_moment_keys  # exp_avg, exp_avg_sq, max_exp_avg_sq: the keys 8-bit codes may hold
 # The key, in each param group of a state dict, that describes its state form.
 FORMAT_KEY = "swap_state_format"
+# The per-param count keying bf16 rounding where the optimizer keeps no step
+# (SGD's momentum on torch's update path): saved with the state, dropped here.
+ROUNDING_STEP = "swap_rounding_step"
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,6 +38,14 @@ def code_map(moment: str) -> torch.Tensor:
     bitsandbytes' signed dynamic map for exp_avg, the unsigned one otherwise."""
     signed, unsigned = _maps()
     return signed if moment == "exp_avg" else unsigned
+
+
+def named_map(name: str) -> torch.Tensor:
+    """The code map codec.CODE_MAPS names ("signed" or "unsigned")."""
+    signed, unsigned = _maps()
+    if name not in ("signed", "unsigned"):
+        raise ValueError(f"code map {name!r} is neither 'signed' nor 'unsigned'")
+    return signed if name == "signed" else unsigned
 
 
 def quantize(values: torch.Tensor, moment: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,20 +72,25 @@ def quantize(values: torch.Tensor, moment: str) -> tuple[torch.Tensor, torch.Ten
     else:
         midpoints = (table[:-1] + table[1:]) / 2
         codes = torch.bucketize(normalized, midpoints)
-        if moment == "exp_avg_sq":
-            codes = torch.where((codes == 0) & (padded > 0), 1, codes)
     codes = torch.where(normalized.isnan(), 0, codes)  # as the kernels: a NaN compares below nothing
+    if moment == "exp_avg_sq":
+        # After the NaN rule, as encode_second_moment: +inf (normalized inf / inf: NaN) codes 1, which
+        # decodes to inf again, not to 0 * inf (NaN).
+        codes = torch.where((codes == 0) & (padded > 0), 1, codes)
     return codes.to(torch.uint8).reshape(-1)[:count].reshape(values.shape), absmax
 
 
-def dequantize(codes: torch.Tensor, absmax: torch.Tensor, moment: str) -> torch.Tensor:
-    """float32 values of `codes` (any shape, blocks in flat order) with their absmax."""
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, moment: str, map_name: str | None = None) -> torch.Tensor:
+    """float32 values of `codes` (any shape, blocks in flat order) with their
+    absmax, by `moment`'s map (Adam's names) or the map `map_name` names."""
     flat = codes.reshape(-1).long()
     scale = absmax.to(torch.float32).repeat_interleave(BLOCK_SIZE)[:flat.numel()]
-    return (code_map(moment).to(codes.device)[flat] * scale.to(codes.device)).reshape(codes.shape)
+    table = named_map(map_name) if map_name is not None else code_map(moment)
+    return (table.to(codes.device)[flat] * scale.to(codes.device)).reshape(codes.shape)
 
 
-def _dequantize_shards(codes: torch.Tensor, absmax: torch.Tensor, moment: str) -> torch.Tensor:
+def _dequantize_shards(codes: torch.Tensor, absmax: torch.Tensor, moment: str,
+                       map_name: str | None = None) -> torch.Tensor:
     """Decodes an FSDP2 param's full codes whose scales are [world, scales]:
     rank r held rows [r * chunk, (r + 1) * chunk) of dim 0 (torch.chunk's
     split, FSDP2's) and its blocks started at its own first element."""
@@ -84,7 +100,7 @@ def _dequantize_shards(codes: torch.Tensor, absmax: torch.Tensor, moment: str) -
     for rank in range(world):
         shard = codes[rank * chunk:(rank + 1) * chunk]
         blocks = -(-shard.numel() // BLOCK_SIZE)
-        parts.append(dequantize(shard, absmax[rank, :blocks], moment))
+        parts.append(dequantize(shard, absmax[rank, :blocks], moment, map_name))
     return torch.cat(parts)
 
 
@@ -101,17 +117,31 @@ def state_format(state_dtype: Any, rounding_seed: Any) -> dict:
 
 
 def dequantize_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a SwapOptimizer state dict that torch.optim.AdamW loads: 8-bit
-    moments decoded to float32 under their plain names, Kahan compensation
-    buffers dropped (the params already hold the rounded weights), and the
-    state-form description removed from the param groups. Tensors that need no
+    """A copy of a SwapOptimizer state dict that its wrapped optimizer (AdamW,
+    SGD, RMSprop, ...) loads: 8-bit states (S_codes and S_absmax) decoded to
+    float32 under their plain names S, by the map the group's FORMAT_KEY names
+    for S (Adam's moments: exp_avg signed, the others unsigned), Kahan
+    compensation buffers dropped (the params already hold the rounded
+    weights), the bf16 rounding's own step count dropped (SGD's), and the
+    state-form description removed from the param groups. bf16 states stay
+    bf16 (torch's load casts them to the param's dtype). Tensors that need no
     change are shared, not copied."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("dequantize_state_dict: expected an optimizer state dict with 'state' and 'param_groups'")
+    maps_of: dict[Any, dict] = {}  # param id -> {state: map name} from its group's FORMAT_KEY
+    for group in state_dict["param_groups"]:
+        form = group.get(FORMAT_KEY)
+        states = form.get("states", {}) if isinstance(form, dict) else {}
+        names = {name: spec["code_map"] for name, spec in states.items()
+                 if isinstance(spec, dict) and spec.get("code_map") is not None}
+        for param_id in group.get("params", ()):
+            maps_of[param_id] = names
     plain_state = {}
     for param_id, entry in state_dict["state"].items():
         entry = dict(entry)
-        for moment in MOMENTS:
+        names = maps_of.get(param_id, {})
+        decoded = list(dict.fromkeys([*MOMENTS, *names, *(k[:-len("_codes")] for k in entry if k.endswith("_codes"))]))
+        for moment in decoded:
             codes, absmax = entry.pop(f"{moment}_codes", None), entry.pop(f"{moment}_absmax", None)
             if (codes is None) != (absmax is None):
                 raise ValueError(f"dequantize_state_dict: param {param_id!r} has only one of {moment}_codes and "
@@ -122,9 +152,11 @@ def dequantize_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"dequantize_state_dict: param {param_id!r}'s {moment} is sharded (DTensors); "
                                  "decode a full state dict (get_optimizer_state_dict with full_state_dict=True), "
                                  "or load it into a SwapOptimizer with state_dtype=torch.float32")
-            entry[moment] = dequantize(codes, absmax, moment) if absmax.dim() == 1 else \
-                _dequantize_shards(codes, absmax, moment)
+            map_name = names.get(moment)
+            entry[moment] = dequantize(codes, absmax, moment, map_name) if absmax.dim() == 1 else \
+                _dequantize_shards(codes, absmax, moment, map_name)
         entry.pop("compensation", None)
+        entry.pop(ROUNDING_STEP, None)
         plain_state[param_id] = entry
     groups = []
     for group in state_dict["param_groups"]:

@@ -201,8 +201,11 @@ def test_another_optimizer_runs_the_main_job(tmp_path, capsys, optimizer):
 
 def test_adamw_only_bench_options_are_argument_errors(capsys):
     with pytest.raises(SystemExit):
-        main(["--quick", "--optimizer", "sgd", "--state-modes", "bf16"])
+        main(["--quick", "--optimizer", "sgd", "--state-modes", "kahan+bf16"])
     assert "work with --optimizer adamw only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--quick", "--optimizer", "adafactor", "--state-modes", "8bit"])
+    assert "work with elementwise optimizers" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--quick", "--optimizer", "muon", "--overlap"])
     assert "--overlap does not run with --optimizer muon" in capsys.readouterr().err

@@ -207,29 +207,42 @@ def test_a_device_budget_is_bitwise_the_run_without(case, variant):
 
 
 # ---------------------------------------------------------- compact states
-# How far compact moments may take the params from the exact run's after
-# STEPS steps at lr 1e-2 (each step moves a param by up to about lr):
-# measured up to 1.3e-4 with bf16 moments and 4e-3 with 8-bit ones (Adam and
-# AdamW, every variant of the table); about 4x and 2.5x that.
-COMPACT = {"bf16": (torch.bfloat16, dict(rtol=0, atol=5e-4)), "8bit": (torch.uint8, dict(rtol=0, atol=1e-2))}
+# How far compact states may take the params from the exact run's after STEPS
+# steps, as a share of how far the exact run moved them (the largest change
+# of any element: a step is about lr for Adam, lr times the momentum for SGD):
+# measured up to 0.006 with bf16 states and 0.19 with 8-bit ones (8-bit
+# Adagrad's and RMSprop's denominators of tiny grads in a block of large
+# ones; every case of the table); about 3x and 2x that.
+COMPACT = {"bf16": (torch.bfloat16, 0.02), "8bit": (torch.uint8, 0.4)}
 
 
 @pytest.mark.parametrize("case, variant, mode", rows(COMPACT))
 def test_compact_states_stay_close_or_are_refused(case, variant, mode):
     """state_dtype=torch.bfloat16 / torch.uint8: where the optimizer has
     compact states, a short run ends within the stated tolerance of the exact
-    one; elsewhere the wrap is refused with the reason."""
-    state_dtype, tolerance = COMPACT[mode]
+    one and moves fewer bytes a param each way; where its states are not worth
+    quantizing (Rprop), a warning and the exact run, bitwise; elsewhere the
+    wrap is refused with the reason."""
+    state_dtype, share = COMPACT[mode]
     fields = swap_settings(case, swap_times=4)
     if not case.compact:
-        with pytest.raises(ValueError, match="state_dtype work\\(s\\) with Adam/AdamW only"):
+        reason = "trust_per_param_step" if case.vouched_for else "works with elementwise optimizers"
+        with pytest.raises(ValueError, match=reason):
             so.SwapOptimizer(case.make(variant)(case.params()()), state_dtype=state_dtype, **fields)
         return
     exact = run_pair(case.make(variant), case.params(), STEPS, **fields)
+    if case.compact == "exact":
+        with pytest.warns(UserWarning, match="stay exact"):
+            compact = run_pair(case.make(variant), case.params(), STEPS, state_dtype=state_dtype, **fields)
+        assert_runs_alike(compact.swapped_params, exact.swapped_params, compact.swapped, exact.swapped, EXACT,
+                          f"{case.name} {variant} {mode}")
+        return
     compact = run_pair(case.make(variant), case.params(), STEPS, state_dtype=state_dtype, **fields)
+    moved = max((q.detach() - start).abs().max().item() for q, start in zip(exact.swapped_params, case.params()()))
     for i, (p, q) in enumerate(zip(compact.swapped_params, exact.swapped_params)):
-        assert_close(p.detach(), q.detach(), **tolerance, msg=lambda m: f"{mode} param {i}: {m}")
-        assert not torch.equal(p, q) or p.numel() < 4096, "the compact run should differ from the exact one"
+        assert_close(p.detach(), q.detach(), rtol=0, atol=share * moved, msg=lambda m: f"{mode} param {i}: {m}")
+    moved = [pair.swapped.memory_stats()["bytes_per_param_each_way"] for pair in (compact, exact)]
+    assert moved[0] < moved[1], f"{mode} moves {moved[0]:.3f} bytes a param each way, the exact run {moved[1]:.3f}"
 
 
 # ------------------------------------------------------------------- faults

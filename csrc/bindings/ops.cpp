@@ -10,6 +10,9 @@
 
 TORCH_LIBRARY(swap_optimizer, m) {
   m.def(swap_optimizer::kFusedAdamPackedSchema);
+  m.def(swap_optimizer::kDecodeBlockwise8bitSchema);
+  m.def(swap_optimizer::kEncodeBlockwise8bitSchema);
+  m.def(swap_optimizer::kEncodeBf16StochasticSchema);
 }
 
 namespace {

@@ -177,8 +177,10 @@ StagingSummary plan_summary(const runtime::StorePlan& plan, const std::vector<ru
 }
 
 // One state key of a param as Python declares it: (name, kind, unit bytes,
-// dtype, shape); kind "absent", "element" (unit bytes per element) or "whole"
-// (unit bytes in all).
+// dtype, shape); kind "absent", "element" (unit bytes per element), "block"
+// (unit bytes per started block of kSplitGranule elements: an 8-bit state's
+// scales, which a cut, on a granule boundary, shares out block by block) or
+// "whole" (unit bytes in all).
 using StateDeclaration = std::tuple<std::string, std::string, int64_t, c10::ScalarType, std::vector<int64_t>>;
 
 runtime::StateLayout state_layout(const StateDeclaration& state) {
@@ -186,7 +188,9 @@ runtime::StateLayout state_layout(const StateDeclaration& state) {
   if (kind == "absent") return {};
   TORCH_CHECK_VALUE(unit_bytes >= 0, "SwapRuntime: state '", name, "' has negative bytes");
   if (kind == "element") return {runtime::StateKind::kPerElement, unit_bytes, 1};
-  TORCH_CHECK_VALUE(kind == "whole", "SwapRuntime: state kind must be 'absent', 'element' or 'whole', got '", kind, "'");
+  if (kind == "block") return {runtime::StateKind::kPerBlock, unit_bytes, runtime::kSplitGranule};
+  TORCH_CHECK_VALUE(kind == "whole", "SwapRuntime: state kind must be 'absent', 'element', 'block' or 'whole', got '",
+                    kind, "'");
   return {runtime::StateKind::kWhole, unit_bytes, 1};
 }
 

@@ -77,8 +77,8 @@ template <typename state_t>
 SWAP_HOST_DEVICE inline void store_moment(const CompactRow& r, int k, int64_t i, float value, uint32_t step) {
   if constexpr (std::is_same_v<state_t, c10::BFloat16>) {
     if (r.stochastic) {
-      const uint32_t random = rounding_bits(r.rounding_key[k], r.global_offset + i, step);
-      static_cast<uint16_t*>(r.moment[k])[i] = bf16_bits_stochastic(value, random);
+      static_cast<uint16_t*>(r.moment[k])[i] =
+          bf16_bits_stochastic_at(value, r.rounding_key[k], r.global_offset + i, step);
       return;
     }
   }
@@ -97,14 +97,11 @@ SWAP_HOST_DEVICE inline float load_code(const CompactRow& r, const CodeMaps& map
 // `search` (host only, may be null) speeds up finding the code, not its value.
 SWAP_HOST_DEVICE inline void store_code(const CompactRow& r, const CodeMaps& maps, const CodeSearch* search, int k,
                                         int64_t i, float value, float absmax) {
-  auto* codes = static_cast<uint8_t*>(r.moment[k]);
-  if (k == kMomentExpAvg) {
-    codes[i] = encode_nearest(maps.signed_map, search ? search->signed_midpoints : nullptr, value, absmax);
-  } else if (k == kMomentExpAvgSq) {
-    codes[i] = encode_second_moment(maps.unsigned_map, search ? search->unsigned_midpoints : nullptr, value, absmax);
-  } else {
-    codes[i] = encode_up(maps.unsigned_map, search ? search->unsigned_values : nullptr, value, absmax);
-  }
+  const int map_kind = k == kMomentExpAvg ? kSignedMap : kUnsignedMap;
+  const int rounding = k == kMomentExpAvg ? kRoundNearest : k == kMomentExpAvgSq ? kRoundNearestNonzero : kRoundUp;
+  static_cast<uint8_t*>(r.moment[k])[i] =
+      encode_code(map_kind == kSignedMap ? maps.signed_map : maps.unsigned_map,
+                  search ? bucket_starts_for(*search, map_kind, rounding) : nullptr, rounding, value, absmax);
 }
 
 // One element of a row whose moments are values: the whole update.

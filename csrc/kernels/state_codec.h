@@ -146,5 +146,37 @@ SWAP_HOST_DEVICE inline float decode(const CodeMap& map, uint8_t code, float abs
   return map.values[code] * absmax;
 }
 
+// How a state's value is rounded to a code (the codec ops' `rounding`):
+// nearest (signed states: momentum, exp_avg), nearest but never 0 for a
+// positive value (states in a denominator), up (running maxima). Only nearest
+// rounds into the signed map: the other two are rules for states that are
+// never negative.
+enum CodeRounding : int { kRoundNearest = 0, kRoundNearestNonzero = 1, kRoundUp = 2 };
+// Which map a code array uses (the codec ops' `code_map`).
+enum CodeMapKind : int { kSignedMap = 0, kUnsignedMap = 1 };
+
+// The code of x in a block of absmax `absmax` under `rounding`; bucket_starts
+// (host only, may be null) as count_below's: midpoints for nearest, values for up.
+SWAP_HOST_DEVICE inline uint8_t encode_code(const CodeMap& map, const uint8_t* bucket_starts, int rounding, float x,
+                                            float absmax) {
+  if (rounding == kRoundUp) return encode_up(map, bucket_starts, x, absmax);
+  if (rounding == kRoundNearestNonzero) return encode_second_moment(map, bucket_starts, x, absmax);
+  return encode_nearest(map, bucket_starts, x, absmax);
+}
+
+// The CodeSearch table count_below wants for (map, rounding); signed
+// round-up has none (and is not a rule any state uses).
+SWAP_HOST_DEVICE inline const uint8_t* bucket_starts_for(const CodeSearch& search, int map_kind, int rounding) {
+  if (map_kind == kSignedMap) return search.signed_midpoints;
+  return rounding == kRoundUp ? search.unsigned_values : search.unsigned_midpoints;
+}
+
+// x's stochastic bf16 rounding as element `global_index` of the state keyed
+// `key` (rounding_key) at `step`: the same bits wherever and however the
+// element is processed.
+SWAP_HOST_DEVICE inline uint16_t bf16_bits_stochastic_at(float x, uint64_t key, int64_t global_index, uint32_t step) {
+  return bf16_bits_stochastic(x, rounding_bits(key, global_index, step));
+}
+
 }  // namespace
 }  // namespace swap_optimizer

@@ -102,8 +102,9 @@ def parser() -> argparse.ArgumentParser:
                         "that keeps that fraction of the swappable state resident (the plan's device bytes with no "
                         "extra residents plus the share of the state)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
-                   help="the optimizer every mode runs (default adamw; master weights, --state-modes other than "
-                        "default and the torchao peer are AdamW's only; --overlap runs with all but muon)")
+                   help="the optimizer every mode runs (default adamw; master weights, the kahan --state-modes "
+                        "and the torchao peer are AdamW's only, bf16 and 8bit run with every elementwise one; "
+                        "--overlap runs with all but muon)")
     p.add_argument("--warmup", type=_positive_int, default=3, help="untimed steps per mode")
     p.add_argument("--repeats", type=_positive_int, default=10, help="timed steps per mode (median; at least 10)")
     p.add_argument("--quick", action="store_true", help="the micro model, one warm-up step: about 30 s on a CPU")
@@ -130,8 +131,12 @@ def check_arguments(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--timeline writes a PNG: give a path ending in .png, got {args.timeline}")
     if args.repeats < 10 and not args.quick:
         p.error("--repeats must be at least 10: the step time is the median of at least 10 steps")
-    if args.optimizer != "adamw" and args.state_modes != ("default",):
-        p.error(f"--state-modes work with --optimizer adamw only, not {args.optimizer}")
+    adam_only = [mode for mode in args.state_modes if mode.startswith("kahan")]
+    if args.optimizer != "adamw" and adam_only:
+        p.error(f"--state-modes {','.join(adam_only)} work with --optimizer adamw only, not {args.optimizer}")
+    if args.optimizer in ("adafactor", "muon") and args.state_modes != ("default",):
+        p.error(f"--state-modes bf16 and 8bit work with elementwise optimizers, not {args.optimizer} "
+                "(its states are read whole)")
     if args.optimizer == "muon" and args.overlap:
         p.error("--overlap does not run with --optimizer muon (Muon beside a resident AdamW); use another optimizer")
 

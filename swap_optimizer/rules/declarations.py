@@ -29,12 +29,26 @@ import torch
 ELEMENT, WHOLE, SCALAR = "element", "whole", "scalar"
 
 
+# What a compact state (state_dtype=torch.bfloat16 or torch.uint8) of an
+# element state is, as swap_optimizer.codec.STATE_CODE_FORMS names it: the map
+# and rounding of its 8-bit codes (bf16 ones round stochastically, whatever
+# the kind).
+SIGNED, DENOMINATOR, RUNNING_MAX = "signed", "denominator", "running_max"
+
+
 @dataclass(frozen=True)
 class StateSpec:
     name: str
     kind: str
     # "whole" only: the state's shape for a param of this shape.
     shape: Optional[Callable[[torch.Size], tuple[int, ...]]] = None
+    # "element" only: the state's kind under compact states (SIGNED: a
+    # momentum, nearest code of the signed map; DENOMINATOR: a positive state
+    # under a square root or in a divisor, unsigned map, never rounded to 0
+    # where it is not 0; RUNNING_MAX: a running maximum, unsigned map, rounded
+    # up so it stays a maximum), or None: the state stays exact (Rprop's prev
+    # and step sizes, a state not worth compacting).
+    code: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,11 @@ def _elements(*names: str) -> list[StateSpec]:
     return [StateSpec(name, ELEMENT) for name in names]
 
 
+def _compact(**codes: str) -> list[StateSpec]:
+    """Element states with their compact kinds, in order (name=kind)."""
+    return [StateSpec(name, ELEMENT, code=code) for name, code in codes.items()]
+
+
 def _scalars(*names: str) -> list[StateSpec]:
     return [StateSpec(name, SCALAR) for name in names]
 
@@ -150,21 +169,27 @@ def _adam_cuts_16_bit_on_cpu(group: dict) -> bool:
 
 
 def _adam_states(param, group):
-    states = _scalars("step") + _elements("exp_avg", "exp_avg_sq")
+    # (compact states of Adam/AdamW run the packed kernel, whose forms these are too)
+    states = _scalars("step") + _compact(exp_avg=SIGNED, exp_avg_sq=DENOMINATOR)
     if group["amsgrad"]:
-        states += _elements("max_exp_avg_sq")
+        states += _compact(max_exp_avg_sq=RUNNING_MAX)
     return states
 
 
 def _sgd_states(param, group):
-    return _elements("momentum_buffer") if group["momentum"] != 0 else []
+    return _compact(momentum_buffer=SIGNED) if group["momentum"] != 0 else []
 
 
 def _rmsprop_states(param, group):
-    states = _scalars("step") + _elements("square_avg")
+    # Centered, the denominator is sqrt(square_avg - grad_avg**2), a difference
+    # of two states that is a small fraction of either where the grads agree:
+    # their rounding errors would make it negative (a NaN update), so both stay
+    # exact; momentum_buffer is compact either way.
+    centered = group["centered"]
+    states = _scalars("step") + [StateSpec("square_avg", ELEMENT, code=None if centered else DENOMINATOR)]
     if group["momentum"] > 0:
-        states += _elements("momentum_buffer")
-    if group["centered"]:
+        states += _compact(momentum_buffer=SIGNED)
+    if centered:
         states += _elements("grad_avg")
     return states
 
@@ -204,18 +229,25 @@ DECLARATIONS: list[Declaration] = [
     Declaration((torch.optim.Adam, torch.optim.AdamW), _adam_states, elementwise=True, takes_grad_scale=True,
                 cuts_16_bit_on_cpu=_adam_cuts_16_bit_on_cpu, also_matches=keeps_adam_step),
     Declaration((torch.optim.SGD,), _sgd_states, elementwise=True, takes_grad_scale=True),
-    Declaration((torch.optim.Adagrad,), lambda p, g: _scalars("step") + _elements("sum"), elementwise=True,
+    Declaration((torch.optim.Adagrad,), lambda p, g: _scalars("step") + _compact(sum=DENOMINATOR), elementwise=True,
                 takes_grad_scale=True),
     Declaration((torch.optim.RMSprop,), _rmsprop_states, elementwise=True),
-    Declaration((torch.optim.Adadelta,), lambda p, g: _scalars("step") + _elements("square_avg", "acc_delta"),
+    # (acc_delta: the numerator's square root, sqrt(acc_delta + eps) / sqrt(square_avg + eps); a
+    # positive state rounded to 0 would scale the update by sqrt(eps) alone)
+    Declaration((torch.optim.Adadelta,), lambda p, g: _scalars("step") + _compact(square_avg=DENOMINATOR,
+                                                                                    acc_delta=DENOMINATOR),
                 elementwise=True),
-    Declaration((torch.optim.Adamax,), lambda p, g: _scalars("step") + _elements("exp_avg", "exp_inf"),
+    Declaration((torch.optim.Adamax,), lambda p, g: _scalars("step") + _compact(exp_avg=SIGNED, exp_inf=RUNNING_MAX),
                 elementwise=True),
-    Declaration((torch.optim.NAdam,), lambda p, g: _scalars("step", "mu_product") + _elements("exp_avg", "exp_avg_sq"),
+    Declaration((torch.optim.NAdam,), lambda p, g: _scalars("step", "mu_product") + _compact(
+        exp_avg=SIGNED, exp_avg_sq=DENOMINATOR), elementwise=True),
+    Declaration((torch.optim.RAdam,), lambda p, g: _scalars("step") + _compact(exp_avg=SIGNED, exp_avg_sq=DENOMINATOR),
                 elementwise=True),
-    Declaration((torch.optim.RAdam,), lambda p, g: _scalars("step") + _elements("exp_avg", "exp_avg_sq"),
+    # (ax, the average of the params, is read by no update: signed, like a weight)
+    Declaration((torch.optim.ASGD,), lambda p, g: _scalars("step", "eta", "mu") + _compact(ax=SIGNED),
                 elementwise=True),
-    Declaration((torch.optim.ASGD,), lambda p, g: _scalars("step", "eta", "mu") + _elements("ax"), elementwise=True),
+    # prev (the last grad's sign test) and step_size (per-element step sizes, multiplied up and
+    # down by etas every step): kept exact, compact states leave Rprop as it is.
     Declaration((torch.optim.Rprop,), lambda p, g: _scalars("step") + _elements("prev", "step_size"),
                 elementwise=True),
     # Adafactor reads param.norm(): never cut, even 1-D.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -15,12 +16,16 @@ import torch
 
 from .. import _C
 from ..budget import Planning, copy_bytes
-from ..compact import FORMAT_KEY, dequantize_state_dict
+from ..codec import STATE_CODE_FORMS
+from ..compact import FORMAT_KEY, dequantize, dequantize_state_dict, named_map, state_format
 from ..config import SwapOptimizerConfig
-from ..distributed import _is_dtensor, _like_param, _local, _local_part
+from ..distributed import (_check_fsdp_8bit, _global_offset, _is_dtensor, _like_param, _local, _local_part,
+                           _shared_default_seed)
 from ..params import check_distinct, check_overlap_params, check_params
 from ..state_dicts import check_readable
 from ..step_guards import signals_after_the_step
+from .compact_states import (ABSMAX, BF16, CODES, EIGHT_BIT, ROUNDING_STEP, BatchCodec, blocks, compact_of,
+                             encode_exact, form_for, scratch_bytes_per_element, store_keys)
 from .declarations import (DECLARATIONS, ELEMENT, SCALAR, WHOLE, Declaration, estimated_temporaries)
 
 
@@ -105,13 +110,27 @@ def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state
                                "keep its state on the device")
 
 
-def _refuse_settings(config: SwapOptimizerConfig, name: str) -> None:
-    adam_only = [field for field, off in (("state_dtype", config.state_dtype is None),
+def _refuse_settings(config: SwapOptimizerConfig, name: str, declaration: Declaration, learning: bool) -> None:
+    compact = config.state_dtype in (torch.bfloat16, torch.uint8)
+    if compact and learning:
+        raise ValueError(f"SwapOptimizer: state_dtype={config.state_dtype} with an optimizer wrapped on your word "
+                         f"(trust_per_param_step, {name}) is not supported: its states are learned at the first "
+                         "update, so their sign and role (a momentum, a denominator, a running maximum) are "
+                         "unknown, and a wrong 8-bit map or rounding would go wrong silently. Leave state_dtype at "
+                         "None (see 'Compact states' in docs/usage.md)")
+    if compact and not declaration.elementwise:
+        raise ValueError(f"SwapOptimizer: state_dtype={config.state_dtype} works with elementwise optimizers (Adam, "
+                         f"SGD, RMSprop, ...), not with {name}: its states (Adafactor's factored rows and columns, "
+                         "Muon's momentum under Newton-Schulz) are read whole and are not worth quantizing; leave "
+                         "state_dtype at None")
+    adam_only = [field for field, off in (("state_dtype", config.state_dtype is None or compact),
                                           ("master_weights", not config.master_weights),
                                           ("kahan_summation", not config.kahan_summation)) if not off]
     if adam_only:
         raise ValueError(f"SwapOptimizer: {', '.join(adam_only)} work(s) with Adam/AdamW only for now, not with "
-                         f"{name}; leave them at their defaults (GradScaler still works through its unscale_)")
+                         f"{name}; leave them at their defaults (GradScaler still works through its unscale_)"
+                         + ("; state_dtype=torch.bfloat16 and torch.uint8 work with every elementwise optimizer"
+                            if config.state_dtype == torch.float32 else ""))
 
 
 def _check_groups(optimizer: torch.optim.Optimizer, declaration: Declaration) -> None:
@@ -178,11 +197,33 @@ def _keep_scalar(scalars: dict, name: str, new: Any) -> None:
 
 class _Kept(NamedTuple):
     """A state a param keeps: its name, kind, shape (whole states; element
-    states of a learned layout) and dtype (None: the param's)."""
+    states of a learned layout), dtype (None: the param's), and for an
+    element state under compact states its form (compact_states.BF16 or
+    EIGHT_BIT; None: exact) and its compact kind (StateSpec.code)."""
     name: str
     kind: str
     shape: Optional[tuple[int, ...]]
     dtype: Optional[torch.dtype] = None
+    form: Optional[str] = None
+    code: Optional[str] = None
+
+
+def _store_keys(kept: _Kept, param_dtype: torch.dtype) -> list[tuple[str, str, torch.dtype]]:
+    """(store key, kind, dtype) of a kept state that the store holds (none for a scalar)."""
+    if kept.kind == SCALAR:
+        return []
+    if kept.kind == WHOLE:
+        return [(kept.name, "whole", kept.dtype or param_dtype)]
+    return store_keys(kept.name, kept.form, param_dtype, kept.dtype)
+
+
+def _row_bytes(kind: str, unit: int, count: int, whole: bool) -> int:
+    """Bytes of `count` elements of a store row (whole rows: only with the whole param)."""
+    if kind == "element":
+        return unit * count
+    if kind == "block":
+        return unit * blocks(count)
+    return unit if kind == "whole" and whole else 0
 
 
 def _fresh(value: Any) -> Any:
@@ -227,6 +268,9 @@ class _StepContext:
     step_groups: list[dict]                 # per group: copies of its values at step()
     grad_scale: dict                        # GradScaler's grad_scale / found_inf, copies
     group_writes: Optional[Any] = None      # a vouched-for optimizer's: each call's group copy, what calls wrote
+    block_keys: frozenset = frozenset()     # the store keys of 8-bit scales (a block per 256 elements)
+    rounding_seed: Optional[int] = None     # bf16 states: the stochastic rounding's seed
+    global_offsets: Optional[list] = None   # bf16 states: per param, its first element's index in the whole
 
 
 class _BatchRule:
@@ -252,6 +296,7 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
     groups: dict[int, list[torch.Tensor]] = {}
     state: dict[torch.Tensor, dict] = {}
     rows = []
+    codec: Optional[BatchCodec] = None  # the batch's compact states, if any
     for (index, offset, count), offsets, param, grad in zip(plan["pieces"], plan["arena_offsets"], params,
                                                               grads):
         if grad is None:
@@ -268,20 +313,34 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
             if arena_offset < 0:
                 continue
             described = step.views[index][key]
-            shape = described.shape if whole else (count,)
-            numel = described.numel() if whole else count
+            if key in step.block_keys:  # a piece starts on a block (cuts fall on 256 elements)
+                shape = described.shape if whole else (blocks(count),)
+            else:
+                shape = described.shape if whole else (count,)
+            numel = math.prod(shape)
             nbytes = numel * described.element_size()
             views[key] = arena[arena_offset:arena_offset + nbytes].view(described.dtype).view(shape)
         entry = {}
         if step.had_state[index]:
-            entry.update(views)
-            for name, value in step.scalars_before[index].items():
-                entry[name] = value.clone() if torch.is_tensor(value) else value
+            for kept in step.layouts[index]:
+                if kept.kind == SCALAR:
+                    if kept.name != ROUNDING_STEP:
+                        value = step.scalars_before[index][kept.name]
+                        entry[kept.name] = value.clone() if torch.is_tensor(value) else value
+                elif kept.form is None:
+                    entry[kept.name] = views[kept.name]
+                else:  # decoded below, one call per batch
+                    if codec is None:
+                        codec = BatchCodec(arena.device, step.rounding_seed)
+                    entry[kept.name] = codec.scratch(kept.form, kept.code, views, kept.name, piece.shape,
+                                                     piece.dtype)
         groups.setdefault(step.group_of[index], []).append(piece)
         state[piece] = entry
-        rows.append((index, offset + count == param.numel(), piece, views))
+        rows.append((index, offset, offset + count == param.numel(), piece, views))
     if not rows:
         return
+    if codec is not None:
+        codec.decode()
     writes = step.group_writes
     if writes is not None:  # a vouched-for step may write its groups: each call gets copies, checked after
         calls = [writes.call_group(g, pieces) for g, pieces in sorted(groups.items())]
@@ -294,38 +353,70 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
                          grad_scale=step.grad_scale)
     name = type(step.optimizer).__name__
     source = "it kept at its first update" if writes is not None else "its declaration says it keeps"
-    for index, last, piece, views in rows:
+    for index, offset, last, piece, views in rows:
         entry = state[piece]
-        kept = {spec.name for spec in step.layouts[index]}
+        kept = {spec.name for spec in step.layouts[index] if spec.name != ROUNDING_STEP}
         # (a vouched-for param that kept nothing at its first update must keep nothing still)
         if (step.had_state[index] or writes is not None) and set(entry) != kept:
             raise RuntimeError(f"SwapOptimizer: {name}'s step left param {index} with states {sorted(entry)}, but "
                                f"{source} {sorted(kept)}: SwapOptimizer keeps a param's states from its first "
                                "update on, as torch.optim does. This optimizer cannot be wrapped; keep its state "
                                "on the device")
-        for key, view in views.items():
-            value = entry.get(key)
+        rounding_step = None
+        compact_index = 0  # the state's place among the param's compact states (the rounding's key)
+        for spec in step.layouts[index]:
+            if spec.kind == SCALAR:
+                continue
+            value = entry.get(spec.name)
             if value is None:
-                raise RuntimeError(f"SwapOptimizer: {name}'s step kept no '{key}' for param {index}, which "
+                raise RuntimeError(f"SwapOptimizer: {name}'s step kept no '{spec.name}' for param {index}, which "
                                    f"{source}")
-            if value is not view:  # created or replaced by torch's step: adopted into the store
-                view.copy_(value)
+            if spec.form is None:
+                if value is not views[spec.name]:  # created or replaced by torch's step: adopted into the store
+                    views[spec.name].copy_(value)
+                continue
+            if codec is None:
+                codec = BatchCodec(piece.device, step.rounding_seed)
+            if spec.form == BF16 and rounding_step is None:
+                rounding_step = _rounding_step(step, index, entry)
+            codec.write_back(spec.form, spec.code, views, spec.name, value, index, compact_index,
+                             (step.global_offsets[index] if step.global_offsets else 0) + offset,
+                             rounding_step or 0)
+            compact_index += 1
         if last:  # the param's scalars after the step: in place, as torch keeps them (identity included)
             for spec in step.layouts[index]:
-                if spec.kind == SCALAR:
+                if spec.kind != SCALAR:
+                    continue
+                if spec.name == ROUNDING_STEP:  # a tensor written in place, as torch's step (state shows it)
+                    _keep_scalar(step.scalars[index], ROUNDING_STEP,
+                                 torch.tensor(_rounding_step(step, index, entry), dtype=torch.int64))
+                else:
                     _keep_scalar(step.scalars[index], spec.name, entry[spec.name])
+    if codec is not None:
+        codec.encode()
+
+
+def _rounding_step(step: _StepContext, index: int, entry: dict) -> int:
+    """The step that keys param `index`'s bf16 rounding in this update: torch's
+    own step count after it, or the rule's count (ROUNDING_STEP) where the
+    optimizer keeps none. Every piece of a cut param gets the same."""
+    if "step" in entry:
+        value = entry["step"]
+        return int(value.item() if torch.is_tensor(value) else value)
+    return int(step.scalars_before[index].get(ROUNDING_STEP, 0)) + 1
 
 
 def update_temporaries(declaration: Declaration, groups: list[dict], plan: list[dict], states: list,
-                       device: torch.device) -> int:
+                       device: torch.device, scratch: Optional[list] = None) -> int:
     """An estimate of the device memory torch's update allocates beyond the
     staged states, for the largest call over `plan` (one per group, run one
     after another: foreach intermediates, Newton-Schulz products, ..., see
     Declaration.temporaries), whose params keep the states `states` (per
     param, the store's (key, kind, unit bytes, dtype, shape) rows), counting
     their creation at a first step, as torch's default path runs on `device`
-    (the planner passes cuda for meta params). It comes on top of
-    staging_bytes."""
+    (the planner passes cuda for meta params), and (compact states) the
+    scratch their decoded values take (`scratch`: per param, bytes an element;
+    None: no compact states). It comes on top of staging_bytes."""
     params = [p for group in groups for p in group["params"]]
     group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
     largest = 0
@@ -338,9 +429,8 @@ def update_temporaries(declaration: Declaration, groups: list[dict], plan: list[
             g = group_of[index]
             rows_by_group.setdefault(g, []).append((tuple(local.shape) if whole else (count,),
                                                     local.element_size()))
-            new_state_bytes[g] = new_state_bytes.get(g, 0) + sum(
-                unit * count if kind == "element" else unit if whole else 0
-                for _, kind, unit, _, _ in states[index])
+            new_state_bytes[g] = new_state_bytes.get(g, 0) + (scratch[index] * count if scratch else 0) + sum(
+                _row_bytes(kind, unit, count, whole) for _, kind, unit, _, _ in states[index])
         for g, rows in rows_by_group.items():
             largest = max(largest, estimated_temporaries(declaration, rows, groups[g], device, new_state_bytes[g]))
     return largest
@@ -366,7 +456,19 @@ class TorchUpdateRule:
     def check_wrap(self, config: SwapOptimizerConfig) -> None:
         """What this rule cannot run under `config`, refused (with the reason)
         before anything is built."""
-        _refuse_settings(config, type(self.optimizer).__name__)
+        _refuse_settings(config, type(self.optimizer).__name__, self.declaration, self.learning)
+        self._compact = compact_of(config.state_dtype)
+        self._rounding_seed = None
+        if self._compact == BF16:  # the seed is saved in state dicts
+            self._rounding_seed = config.rounding_seed if config.rounding_seed is not None else \
+                _shared_default_seed()
+        if self._compact is not None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            if not any(spec.code is not None for group in self.optimizer.param_groups for p in group["params"]
+                       for spec in self.declaration.states(p, group)) and params:
+                warnings.warn(f"SwapOptimizer: state_dtype={config.state_dtype}: {type(self.optimizer).__name__} "
+                              "keeps no state worth compacting under its settings (docs/usage.md, 'Compact "
+                              "states'); its states stay exact", UserWarning, stacklevel=4)
         _check_groups(self.optimizer, self.declaration)
 
     def check_params(self, params: list) -> None:
@@ -399,10 +501,17 @@ class TorchUpdateRule:
         for a trusted optimizer, those learned from its state (`learned`, else
         the current ones)."""
         layouts = []
+        compact = getattr(self, "_compact", None)
         for group in opt.param_groups:
             for p in group["params"]:
-                layouts.append(tuple(_Kept(spec.name, spec.kind, tuple(spec.shape(p.shape)) if spec.kind == WHOLE
-                                           else None) for spec in self.declaration.states(p, group)))
+                specs = self.declaration.states(p, group)
+                kept = tuple(_Kept(spec.name, spec.kind, tuple(spec.shape(p.shape)) if spec.kind == WHOLE else None,
+                                   form=form, code=spec.code if form else None)
+                             for spec in specs
+                             for form in [form_for(compact, spec.code, p) if spec.kind == ELEMENT else None])
+                if any(k.form == BF16 for k in kept) and not any(k.name == "step" for k in kept):
+                    kept += (_Kept(ROUNDING_STEP, SCALAR, None),)  # the rounding's step (SGD keeps none)
+                layouts.append(kept)
         return layouts
 
     def _cuts_16_bit_on_cpu(self, opt) -> list[bool]:
@@ -422,25 +531,34 @@ class TorchUpdateRule:
         learned = self._learned_from(params, previous, learned)
         layouts = self._layouts(opt, learned)
         keys: list[str] = []
-        for specs in layouts:
-            keys += [s.name for s in specs if s.kind != SCALAR and s.name not in keys]
+        block_keys: set[str] = set()
+        for i, (p, specs) in enumerate(zip(params, layouts)):
+            for spec in specs:
+                for key, kind, _ in _store_keys(spec, p.dtype):
+                    if key not in keys:
+                        keys.append(key)
+                    if kind == "block":
+                        block_keys.add(key)
+                if spec.form == EIGHT_BIT and _is_dtensor(p):  # blocks start at each shard's first element
+                    _check_fsdp_8bit(p, f"SwapOptimizer: param {i}")
         locals_ = [_local(p) for p in params]  # a DTensor's shard on this rank: what the store holds
         cuts_16_bit = self._cuts_16_bit_on_cpu(opt)
-        states, swappable, splittable = [], [], []
+        states, swappable, splittable, scratch = [], [], [], []
         for p, specs, cut_16_bit in zip(locals_, layouts, cuts_16_bit):
-            by_name = {s.name: s for s in specs}
+            by_key = {key: (spec, kind, dtype) for spec in specs for key, kind, dtype in _store_keys(spec, p.dtype)}
             row = []
             for key in keys:
-                spec = by_name.get(key)
+                spec, kind, dtype = by_key.get(key, (None, "absent", p.dtype))
                 if spec is None:
                     row.append((key, "absent", 0, p.dtype, []))
-                    continue
-                dtype = spec.dtype or p.dtype
-                if spec.kind == ELEMENT:
+                elif kind == "element":
                     row.append((key, "element", dtype.itemsize, dtype, list(p.shape)))
+                elif kind == "block":  # one float32 scale per started block of 256 elements
+                    row.append((key, "block", dtype.itemsize, dtype, [blocks(p.numel())]))
                 else:
                     row.append((key, "whole", math.prod(spec.shape) * dtype.itemsize, dtype, list(spec.shape)))
             states.append(row)
+            scratch.append(scratch_bytes_per_element([s.form for s in specs], p.dtype))
             kept = any(s.kind != SCALAR for s in specs)
             swappable.append(kept and p.numel() >= opt.config.min_numel and p.is_contiguous())
             # A 16-bit param is cut on the CPU only where its group's settings make
@@ -457,11 +575,12 @@ class TorchUpdateRule:
         def lay_out(swappable_now: list[bool], swap_times: int, num_arenas: int) -> _C.StagingSummary:
             summary = _C.plan_rule_staging(locals_, states, swappable_now, splittable, swap_keys,
                                            swap_times=swap_times, num_arenas=num_arenas)
-            return summary.with_update_temporary_bytes(self._temporaries_of(summary.plan, states))
+            return summary.with_update_temporary_bytes(self._temporaries_of(summary.plan, states, scratch))
 
         copies = copy_bytes(locals_, opt.__dict__.get("_unscale_in_step", False) or opt._overlap is not None)
         planning = Planning.make(opt.config, opt._budget_now(), lay_out, swappable, copies, opt._device,
-                                 lambda: self._swap_times_for_budget(opt, locals_, states, swappable, splittable, swap_keys),
+                                 lambda: self._swap_times_for_budget(opt, locals_, states, swappable, splittable, swap_keys,
+                                                                     scratch),
                                  priority=opt._resident_priority())
         rule = _BatchRule()
         runtime = _C.SwapRuntime(locals_, states, planning.swappable, splittable, rule,
@@ -479,10 +598,17 @@ class TorchUpdateRule:
                 self._check_entry(i, p, specs, entry)
                 for spec in specs:
                     if spec.kind == SCALAR:
-                        value = entry[spec.name]
+                        # (a plain state dict has no ROUNDING_STEP: 0)
+                        value = entry.get(spec.name, torch.tensor(0, dtype=torch.int64))
                         scalars[i][spec.name] = value.clone() if torch.is_tensor(value) else value
-                    else:
+                    elif spec.form is None:
                         views[i][spec.name].copy_(_local_part(entry[spec.name], p))
+                    elif spec.form == EIGHT_BIT and spec.name in entry:  # torch's form: encoded
+                        encode_exact(_local_part(entry[spec.name], p), spec.form, spec.code, views[i], spec.name)
+                    else:  # the store's own form (bf16: any float rounds to nearest, bf16 is copied)
+                        for key, kind, _ in _store_keys(spec, p.dtype):
+                            value = entry[key]
+                            views[i][key].copy_(value if kind == "block" else _local_part(value, p))
                 shown[i] = True
         runtime.order_writes()
         if opt._overlap is not None:  # a new store: the next pass probes again
@@ -492,8 +618,12 @@ class TorchUpdateRule:
         if learned is not None:
             self._learned = learned
         self._keys = keys
+        self._block_keys = frozenset(block_keys)
         self._swap_keys = swap_keys
         self._state_rows = states
+        self._scratch = scratch
+        self._global_offsets = [_global_offset(p, i) for i, p in enumerate(params)] \
+            if getattr(self, "_rounding_seed", None) is not None else None
         opt._planning = planning
         self._moves_whole = [swap and not cut for swap, cut in zip(planning.swappable, splittable)]
         self._layouts_now = layouts
@@ -501,7 +631,8 @@ class TorchUpdateRule:
         self._views = views
         # What `state` shows: DTensors over the store's views for DTensor params
         # (made once: _sync_edits tells edits by identity).
-        self._shown_views = [{key: _like_param(view, p) for key, view in row.items()} for row, p in zip(views, params)]
+        self._shown_views = [{key: view if key in block_keys else _like_param(view, p) for key, view in row.items()}
+                             for row, p in zip(views, params)]
         self._scalars = scalars
         self._shown = shown
         self._plan = runtime.batch_plan()
@@ -511,7 +642,7 @@ class TorchUpdateRule:
         self._refresh_state(opt, params)
 
     def _swap_times_for_budget(self, opt, params: list, states: list, swappable: list, splittable: list,
-                               swap_keys: list) -> int:
+                               swap_keys: list, scratch: list) -> int:
         """The smallest swap_times whose staging plus torch's update temporaries
         (an estimate, see memory_stats) fit in staging_budget_bytes; refuses,
         naming the smallest budget that works, when none does."""
@@ -520,7 +651,7 @@ class TorchUpdateRule:
         def need(swap_times: int) -> tuple[int, int, int]:
             summary = _C.plan_rule_staging(params, states, swappable, splittable, swap_keys,
                                            swap_times=swap_times, num_arenas=num_arenas)
-            staging, temporaries = summary.staging_bytes, self._temporaries_of(summary.plan, states)
+            staging, temporaries = summary.staging_bytes, self._temporaries_of(summary.plan, states, scratch)
             return staging + temporaries, staging, summary.finest_swap_times
 
         finest = need(1)[2]
@@ -554,22 +685,35 @@ class TorchUpdateRule:
         return low
 
     def _check_entry(self, index: int, param: torch.Tensor, specs, entry: dict) -> None:
+        """An entry to load: torch's form, or (compact states) the store's own
+        form for each compact state (8-bit: S_codes and S_absmax)."""
         where = f"SwapOptimizer: the state of param {index} ({type(self.optimizer).__name__})"
-        missing = [s.name for s in specs if s.name not in entry]
-        extra = [k for k in entry if k not in {s.name for s in specs}]
+        expected, checked = [], []  # checked: (key, shape, dtype or None)
+        for s in specs:
+            if s.name == ROUNDING_STEP:
+                continue  # optional: a plain state dict has none
+            if s.form == EIGHT_BIT and s.name not in entry:
+                expected += [s.name + CODES, s.name + ABSMAX]
+                checked += [(s.name + CODES, tuple(param.shape), torch.uint8),
+                            (s.name + ABSMAX, (blocks(_local(param).numel()),), torch.float32)]
+                continue
+            expected.append(s.name)
+            if s.kind != SCALAR:
+                checked.append((s.name, tuple(param.shape) if s.kind == ELEMENT else s.shape, None))
+        missing = [k for k in expected if k not in entry]
+        extra = [k for k in entry if k not in expected and k != ROUNDING_STEP]
         if missing or extra:
             raise ValueError(f"{where} has keys {sorted(entry)}, but under its group's settings it keeps "
-                             f"{[s.name for s in specs]}; a state saved with other settings (momentum, centered) "
+                             f"{expected}; a state saved with other settings (momentum, centered) "
                              "loads into an optimizer created with those settings")
-        for spec in specs:
-            value = entry[spec.name]
-            if spec.kind == SCALAR:
-                continue
+        for key, shape, dtype in checked:
+            value = entry[key]
             if not torch.is_tensor(value) or value.layout != torch.strided or value.is_meta:
-                raise ValueError(f"{where}: '{spec.name}' must be a dense tensor, got {type(value).__name__}")
-            shape = tuple(param.shape) if spec.kind == ELEMENT else spec.shape
+                raise ValueError(f"{where}: '{key}' must be a dense tensor, got {type(value).__name__}")
             if tuple(value.shape) != shape:
-                raise ValueError(f"{where}: '{spec.name}' has shape {tuple(value.shape)}, expected {shape}")
+                raise ValueError(f"{where}: '{key}' has shape {tuple(value.shape)}, expected {shape}")
+            if dtype is not None and value.dtype != dtype:
+                raise ValueError(f"{where}: '{key}' has dtype {value.dtype}, expected {dtype}")
 
     def _refresh_state(self, opt, params: list[torch.Tensor]) -> None:
         """`state` as torch.optim shows it: for each param with a state, its
@@ -581,10 +725,15 @@ class TorchUpdateRule:
                 state[p] = self._entry(i)
 
     def _entry(self, index: int) -> dict:
+        """A param's state as `state` shows it: its scalars and its store's
+        views (compact states in their stored form)."""
         entry = {}
         for spec in self._layouts_now[index]:
-            entry[spec.name] = self._scalars[index][spec.name] if spec.kind == SCALAR else \
-                self._shown_views[index][spec.name]
+            if spec.kind == SCALAR:
+                entry[spec.name] = self._scalars[index][spec.name]
+            else:
+                for key, _, _ in _store_keys(spec, torch.float32):
+                    entry[key] = self._shown_views[index][key]
         return entry
 
     def _follow(self, opt) -> None:
@@ -684,7 +833,8 @@ class TorchUpdateRule:
                                     for s in self._scalars],
                     had_state=list(self._shown), group_of=self._group_of, step_groups=self._step_groups,
                     grad_scale={name: _fresh(value) for name, value in amp.items()},
-                    group_writes=writes)
+                    group_writes=writes, block_keys=self._block_keys,
+                    rounding_seed=getattr(self, "_rounding_seed", None), global_offsets=self._global_offsets)
                 streamed = [None if i in first else grad for i, grad in enumerate(grads)]
                 if opt._overlap is not None:
                     opt._overlap.before_step(deferred)
@@ -756,15 +906,116 @@ class TorchUpdateRule:
         opt._synchronize()
         self._lay_out(opt, {p: _copied(state[p]) for p in params if state.get(p)})
 
+    def _state_forms(self) -> dict[str, dict]:
+        """Per compact state name: its form, and for 8-bit ones the map and
+        rounding of its codes (what a state dict's FORMAT_KEY says)."""
+        forms: dict[str, dict] = {}
+        for specs in self._layouts_now:
+            for spec in specs:
+                if spec.form is not None and spec.name not in forms:
+                    code_map, rounding = STATE_CODE_FORMS[spec.code] if spec.form == EIGHT_BIT else (None, "stochastic")
+                    forms[spec.name] = {"form": spec.form, "kind": spec.code, "code_map": code_map,
+                                        "rounding": rounding}
+        return forms
+
     def state_dict_extras(self, opt, state_dict: dict[str, Any]) -> None:
-        """Nothing: the wrapped optimizer's own format, scalars as torch keeps them."""
+        """The wrapped optimizer's own format, scalars as torch keeps them; with
+        compact states, each state in its stored form (bf16, or 8-bit S_codes
+        and S_absmax) and each param group saying how (FORMAT_KEY: the forms,
+        per state its map and rounding, the rounding seed; see
+        swap_optimizer.compact.dequantize_state_dict)."""
+        if getattr(self, "_compact", None) is None:
+            return
+        form = state_format(opt.config.state_dtype, getattr(self, "_rounding_seed", None))
+        form.pop("code_maps", None)  # Adam's moments' maps; here per state
+        form["states"] = self._state_forms()
+        if self._compact == EIGHT_BIT:
+            form["code_maps"] = {name: named_map(name).tolist() for name in ("signed", "unsigned")}
+        for group in state_dict["param_groups"]:
+            group[FORMAT_KEY] = copy.deepcopy(form)
+
+    def _set_aside(self, opt, state_dict: dict[str, Any]) -> tuple[dict, dict]:
+        """A copy of `state_dict` for torch's load without what its casts would
+        spoil (8-bit codes and scales, bf16 states, the rounding's step count)
+        or what it does not know (FORMAT_KEY), and those values by param."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("SwapOptimizer.load_state_dict: expected an optimizer state dict with 'state' and "
+                             "'param_groups'")
+        aside, plain, seed = {}, {}, None
+        groups = []
+        maps: dict = {}
+        for g, group in enumerate(state_dict["param_groups"]):
+            group = dict(group)
+            form = group.pop(FORMAT_KEY, None)
+            if isinstance(form, dict):
+                for name, values in (form.get("code_maps") or {}).items():
+                    if name in ("signed", "unsigned") and list(values) != named_map(name).tolist():
+                        raise ValueError(f"SwapOptimizer.load_state_dict: param group {g}'s {FORMAT_KEY} has another "
+                                         f"{name} code map than this version of swap_optimizer; decode the state dict "
+                                         "with the version that saved it (dequantize_state_dict) and load that")
+                seed = form.get("rounding_seed", seed)
+                for name, spec in (form.get("states") or {}).items():
+                    if isinstance(spec, dict) and spec.get("code_map"):
+                        for pid in group.get("params", ()):
+                            maps.setdefault(pid, {})[name] = spec["code_map"]
+            groups.append(group)
+        for pid, entry in state_dict["state"].items():
+            kept, rest = {}, {}
+            for key, value in entry.items():
+                if key.endswith(CODES) or key.endswith(ABSMAX) or key == ROUNDING_STEP or \
+                        (getattr(self, "_compact", None) == BF16 and torch.is_tensor(value)
+                         and value.dtype == torch.bfloat16 and key != "step"):
+                    kept[key] = value
+                else:
+                    rest[key] = value
+            plain[pid] = rest
+            if kept:
+                aside[pid] = (kept, maps.get(pid, {}))
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63):
+            raise ValueError(f"SwapOptimizer.load_state_dict: {FORMAT_KEY} has rounding_seed {seed!r}; it must be "
+                             "an int in [0, 2**63)")
+        return {**state_dict, "state": plain, "param_groups": groups}, {"aside": aside, "seed": seed}
+
+    def _put_back(self, loaded: dict, aside: dict, state_dict: dict, layouts: list, params: list) -> None:
+        """The set-aside values into the loaded entries: in the store's form
+        where this store keeps it, decoded or cast where it keeps another."""
+        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        index_of = {pid: i for i, pid in enumerate(ids)}
+        for pid, (kept, maps) in aside.items():
+            if pid not in index_of:
+                continue
+            i = index_of[pid]
+            p = params[i]
+            entry = loaded.setdefault(p, {})
+            forms = {spec.name: spec.form for spec in layouts[i]}
+            for key, value in kept.items():
+                name = key[:-len(CODES)] if key.endswith(CODES) else key[:-len(ABSMAX)] if key.endswith(ABSMAX) \
+                    else key
+                if key.endswith(ABSMAX) and name + CODES in kept:
+                    continue  # with its codes
+                if key.endswith(CODES) and forms.get(name) != EIGHT_BIT and name + ABSMAX in kept:
+                    # 8-bit saved, another form here: decoded (by the saved map)
+                    values = dequantize(value, kept[name + ABSMAX], name, maps.get(name))
+                    entry[name] = values.to(p.dtype) if p.is_floating_point() else values
+                elif key.endswith(CODES):
+                    entry[key], entry[name + ABSMAX] = value, kept[name + ABSMAX]
+                elif key == ROUNDING_STEP or forms.get(name) == BF16:
+                    entry[key] = value
+                else:  # a bf16 state loaded into another form: torch's cast
+                    entry[key] = value.to(p.dtype)
 
     def load_state_dict(self, opt, state_dict: dict[str, Any]) -> None:
         """As torch.optim's (torch's own load casts the values, so a resume is
-        that of the plain optimizer), then into the store."""
-        if any(FORMAT_KEY in group for group in state_dict["param_groups"]):
-            # compact states saved by the packed kernel: decoded to torch's format, as dequantize_state_dict does
+        that of the plain optimizer), then into the store. Compact states load
+        from their stored form (set aside from torch's casts) or from torch's
+        (a plain state dict: encoded), whichever the state dict holds. Into a
+        store of exact states, a compact state dict (this rule's, or the packed
+        kernel's with its Kahan buffers) is decoded first, as
+        dequantize_state_dict does."""
+        if getattr(self, "_compact", None) is None and isinstance(state_dict, dict) and \
+                any(FORMAT_KEY in group for group in state_dict.get("param_groups", ())):
             state_dict = dequantize_state_dict(state_dict)
+        plain, aside = self._set_aside(opt, state_dict)
         for saved_id, entry in state_dict["state"].items():  # before torch's load copies them
             for key, value in entry.items() if isinstance(entry, dict) else ():
                 if torch.is_tensor(value):
@@ -773,7 +1024,7 @@ class TorchUpdateRule:
         opt._synchronize()
         saved_state, saved_groups = inner.state, inner.param_groups
         try:
-            torch.optim.Optimizer.load_state_dict(inner, state_dict)  # torch's checks and casts; new groups
+            torch.optim.Optimizer.load_state_dict(inner, plain)  # torch's checks and casts; new groups
             # (torch keeps a state whose id no saved group lists under that id; a store has no place for it)
             stray = [key for key in inner.state if not torch.is_tensor(key)]
             if stray:
@@ -781,8 +1032,12 @@ class TorchUpdateRule:
                                  "group of the state dict lists")
             loaded = {p: dict(entry) for p, entry in inner.state.items() if entry}
             inner.state = saved_state
+            if aside["aside"]:
+                self._put_back(loaded, aside["aside"], plain, self._layouts(opt), opt._params())
             _check_groups(inner, self.declaration)
             self._lay_out(opt, loaded)  # a new store (no torn params), or an error before anything is replaced
+            if aside["seed"] is not None and getattr(self, "_rounding_seed", None) is not None:
+                self._rounding_seed = aside["seed"]  # resumes the same rounding draws
             self._loaded(loaded)
         except BaseException:
             inner.state, inner.param_groups = saved_state, saved_groups
@@ -829,10 +1084,10 @@ class TorchUpdateRule:
         param the rule never cuts (Muon, Adafactor, a whole state), which
         every arena holds at least."""
         stats = {"swapped_state_keys": [k for k, swapped in zip(self._keys, self._swap_keys) if swapped],
-                 "update_temporary_bytes": self._temporaries_of(self._plan, self._state_rows)}
+                 "update_temporary_bytes": self._temporaries_of(self._plan, self._state_rows, self._scratch)}
         params = opt._params()
         stats["largest_whole_param_state_bytes"] = max(
-            (sum(unit * _local(params[i]).numel() if kind == "element" else unit
+            (sum(_row_bytes(kind, unit, _local(params[i]).numel(), True)
                  for (_, kind, unit, _, _), swapped in zip(rows, self._swap_keys) if swapped)
              for i, rows in enumerate(self._state_rows) if self._moves_whole[i]), default=0)
         return stats
@@ -853,9 +1108,9 @@ class TorchUpdateRule:
     def lay_out_empty(self, opt) -> None:
         self._lay_out(opt, {}, learned=self._learned_from([], {}, None))
 
-    def _temporaries_of(self, plan: list[dict], states: list) -> int:
+    def _temporaries_of(self, plan: list[dict], states: list, scratch: list) -> int:
         """update_temporaries for this rule's optimizer, on its params' device."""
         groups = self.optimizer.param_groups
         params = [p for group in groups for p in group["params"]]
         device = _local(params[0]).device if params else torch.device("cpu")
-        return update_temporaries(self.declaration, groups, plan, states, device)
+        return update_temporaries(self.declaration, groups, plan, states, device, scratch)

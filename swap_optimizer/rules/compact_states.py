@@ -1,0 +1,160 @@
+"""Compact states on torch's update path (TorchUpdateRule): how a declared
+element state is stored (exact, bf16 rounded stochastically, or blockwise
+8-bit codes and scales), the scratch torch's update runs on, and the batched
+codec calls that fill it from the staged compact form and write it back.
+
+A param's compact state S is stored under
+- bf16: S itself, a bfloat16 tensor (2 bytes an element);
+- 8-bit: S_codes (uint8, param-shaped) and S_absmax (float32, one scale per
+  block of 256 elements from the param's first, so a cut, on a multiple of
+  256 elements, shares the scales out block by block).
+Each batch decodes its compact states into scratch tensors in the dtype torch
+keeps the state in (float32 for float32 params, the param's dtype for 16-bit
+ones), runs torch's update on them, and encodes them back: one codec call per
+kind per batch, on the arena's device. See docs/design.md, 'Compact states on
+torch's update path'.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..codec import (BLOCK_SIZE, STATE_CODE_FORMS, decode_blockwise_8bit, encode_bf16_stochastic,
+                     encode_blockwise_8bit)
+from ..compact import MIN_QUANTIZED_NUMEL, ROUNDING_STEP
+
+BF16, EIGHT_BIT = "bf16", "8bit"
+# (ROUNDING_STEP: the per-param count that keys bf16 rounding where the
+# optimizer keeps no step of its own (SGD), a scalar saved with the state,
+# dropped by dequantize_state_dict; a plain state dict starts it at 0.)
+CODES, ABSMAX = "_codes", "_absmax"
+# Kinds of state that must not decode to 0 where the stored value is not 0
+# (a denominator, a running maximum), and the value an fp16 scratch gets there.
+NEVER_ZERO = ("denominator", "running_max")
+FP16_SMALLEST = 2.0 ** -24
+
+
+def compact_of(state_dtype: Optional[torch.dtype]) -> Optional[str]:
+    return {torch.bfloat16: BF16, torch.uint8: EIGHT_BIT}.get(state_dtype)
+
+
+def form_for(compact: Optional[str], code: Optional[str], param: torch.Tensor) -> Optional[str]:
+    """The form one element state of `param` (the whole param: a DTensor's
+    global numel) is stored in: None (exact) where the state has no compact
+    kind, under 8-bit where the param has fewer than MIN_QUANTIZED_NUMEL
+    elements (as Adam's), and under bf16 where the param is bf16 itself
+    (torch's state is bf16 already)."""
+    if compact is None or code is None:
+        return None
+    if compact == EIGHT_BIT:
+        return EIGHT_BIT if param.numel() >= MIN_QUANTIZED_NUMEL else None
+    return None if param.dtype == torch.bfloat16 else BF16
+
+
+def store_keys(name: str, form: Optional[str], param_dtype: torch.dtype,
+               dtype: Optional[torch.dtype] = None) -> list[tuple[str, str, torch.dtype]]:
+    """(store key, store kind, dtype) of one element state in `form`."""
+    if form == EIGHT_BIT:
+        return [(name + CODES, "element", torch.uint8), (name + ABSMAX, "block", torch.float32)]
+    if form == BF16:
+        return [(name, "element", torch.bfloat16)]
+    return [(name, "element", dtype or param_dtype)]
+
+
+def scratch_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype torch keeps an element state in (and the scratch holds): its
+    param's. (torch's fused and foreach paths need the param's dtype; its
+    for-loop would run mixed precision silently.)"""
+    return param_dtype
+
+
+def scratch_bytes_per_element(forms: list[Optional[str]], param_dtype: torch.dtype) -> int:
+    """Device bytes the scratch of one element of a param takes beyond its
+    staged states: one scratch element per compact state, plus a float32
+    copy of each bf16 one for the rounding when the param is 16-bit."""
+    size = torch.empty((), dtype=param_dtype).element_size()
+    total = 0
+    for form in forms:
+        if form is not None:
+            total += size + (4 if form == BF16 and size != 4 else 0)
+    return total
+
+
+def blocks(count: int) -> int:
+    return -(-count // BLOCK_SIZE)
+
+
+class BatchCodec:
+    """The compact states of one batch: decoded into scratch before torch's
+    update (one call per kind), encoded back after it (one call per kind)."""
+
+    def __init__(self, device: torch.device, seed: Optional[int]) -> None:
+        self.device, self.seed = device, seed
+        self._decode_8bit: list[tuple] = []   # (codes, absmax, scratch, map)
+        self._decode_bf16: list[tuple] = []   # (stored, scratch)
+        self._kept_positive: list[tuple] = []  # (stored, scratch): fp16 scratches of never-0 states
+        self._encode_8bit: list[tuple] = []   # (values, codes, absmax, map, rounding)
+        self._encode_bf16: list[tuple] = []   # (values, out, param index, state index, offset, step)
+
+    def scratch(self, form: str, code: str, views: dict, name: str, shape, param_dtype: torch.dtype) -> torch.Tensor:
+        """A scratch of the state for torch's update, filled by decode()."""
+        scratch = torch.empty(shape, dtype=scratch_dtype(param_dtype), device=self.device)
+        stored = views[name + CODES] if form == EIGHT_BIT else views[name]
+        if form == EIGHT_BIT:
+            self._decode_8bit.append((stored, views[name + ABSMAX], scratch, STATE_CODE_FORMS[code][0]))
+        else:
+            self._decode_bf16.append((stored, scratch))
+        if scratch.dtype == torch.float16 and code in NEVER_ZERO:
+            self._kept_positive.append((stored, scratch))
+        return scratch
+
+    def decode(self) -> None:
+        if self._decode_8bit:
+            codes, absmax, out, maps = zip(*self._decode_8bit)
+            decode_blockwise_8bit([c.view(-1) for c in codes], absmax, [o.view(-1) for o in out], maps)
+        if self._decode_bf16:
+            stored, out = zip(*self._decode_bf16)
+            torch._foreach_copy_(list(out), list(stored))
+        for stored, scratch in self._kept_positive:
+            # fp16's range ends at 2**-24: a small positive value decodes to 0
+            # there, and a 0 denominator divides by eps alone (itself 0 in
+            # fp16); such a value becomes fp16's smallest positive instead.
+            scratch.masked_fill_((scratch == 0) & (stored.view(scratch.shape) != 0), FP16_SMALLEST)
+
+    def write_back(self, form: str, code: str, views: dict, name: str, value: torch.Tensor, param_index: int,
+                   state_index: int, offset: int, step: int) -> None:
+        """Queues the encode of `value` (the state after torch's update) into the store's views."""
+        if form == EIGHT_BIT:
+            _, rounding = STATE_CODE_FORMS[code]
+            self._encode_8bit.append((value.detach().reshape(-1).contiguous(), views[name + CODES].view(-1),
+                                      views[name + ABSMAX], STATE_CODE_FORMS[code][0], rounding))
+        else:
+            self._encode_bf16.append((value.detach().reshape(-1).float().contiguous(), views[name].view(-1),
+                                      param_index, state_index, offset, step))
+
+    def encode(self) -> None:
+        if self._encode_8bit:
+            values, codes, absmax, maps, rounding = zip(*self._encode_8bit)
+            encode_blockwise_8bit(values, codes, absmax, maps, rounding)
+        if self._encode_bf16:
+            values, out, params, states, offsets, steps = zip(*self._encode_bf16)
+            encode_bf16_stochastic(values, out, seed=self.seed, param_index=params, state_index=states,
+                                   global_offset=offsets, step=steps)
+
+
+def encode_exact(value: torch.Tensor, form: str, code: str, views: dict, name: str) -> None:
+    """Loads a state given in torch's form into the store's compact form:
+    8-bit codes by the state's rule; bf16 rounded to nearest (a load draws no
+    random bits)."""
+    with torch.no_grad():
+        if form == EIGHT_BIT:
+            codes, absmax = views[name + CODES], views[name + ABSMAX]
+            device_values = value.detach().to(codes.device).reshape(-1).contiguous()
+            if not device_values.is_floating_point() or device_values.dtype == torch.float64:
+                device_values = device_values.float()
+            encode_blockwise_8bit([device_values], [codes.view(-1)], [absmax], [STATE_CODE_FORMS[code][0]],
+                                  [STATE_CODE_FORMS[code][1]])
+        else:
+            views[name].copy_(value.reshape(views[name].shape))

@@ -1,0 +1,65 @@
+"""Training parity of compact states on torch's update path (slow tier).
+
+benchmarks/state_modes_parity.py's byte-level transformer and data, 1,000
+steps (warmup, cosine decay), per elementwise optimizer: the exact run (torch's
+own optimizer, fp32 states) against SwapOptimizer with bf16 states
+(stochastic rounding) and with 8-bit states. Each compact run's final loss
+(mean of the last 50 steps) must be within 2% of the exact run's, and the
+exact run must have learned (well under ln 256 = 5.55 nats). ASGD is left
+out: its only compact state, ax, is read by no update, so its loss is the
+exact run's (tests/test_compact_rules.py checks its forms and round trips).
+"""
+
+import math
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import swap_optimizer as so
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import state_modes_parity as parity  # noqa: E402
+
+STEPS = 1000
+TOLERANCE = 0.02
+# Peak learning rates and settings that train this model with each optimizer
+# (RMSprop with momentum: its square_avg and momentum_buffer compact).
+OPTIMIZERS = {
+    "SGD": (1e-1, lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, weight_decay=0.01)),
+    "RMSprop": (5e-4, lambda ps, lr: torch.optim.RMSprop(ps, lr=lr, momentum=0.5)),
+    "Adagrad": (2e-2, lambda ps, lr: torch.optim.Adagrad(ps, lr=lr)),
+    "Adadelta": (1.0, lambda ps, lr: torch.optim.Adadelta(ps, lr=lr)),
+    "Adamax": (4e-3, lambda ps, lr: torch.optim.Adamax(ps, lr=lr)),
+    "NAdam": (2e-3, lambda ps, lr: torch.optim.NAdam(ps, lr=lr, weight_decay=0.01)),
+    "RAdam": (2e-3, lambda ps, lr: torch.optim.RAdam(ps, lr=lr)),
+}
+
+
+def train(name, fields, corpus, offsets):
+    peak, make = OPTIMIZERS[name]
+    model = parity.build_model(torch.float32)
+    inner = make(model.parameters(), peak)
+    optimizer = inner if fields is None else so.SwapOptimizer(inner, swap_times=parity.SWAP_TIMES, **fields)
+    losses = parity.train_loop(model, optimizer, corpus, offsets, peak_lr=peak)
+    tail = losses[-parity.FINAL_WINDOW:]
+    final = sum(tail) / len(tail) if len(losses) == STEPS else float("nan")
+    each_way = None if fields is None else optimizer.memory_stats()["bytes_per_param_each_way"]
+    return final, each_way
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_compact_states_train_within_two_percent_of_the_exact_run(name):
+    corpus, _ = parity.load_corpus()
+    offsets = parity.batch_offsets(corpus.numel(), STEPS)
+    exact, _ = train(name, None, corpus, offsets)
+    assert math.isfinite(exact) and exact < 3.5, f"{name} did not learn: {exact:.4f}"
+    for label, fields in (("bf16", dict(state_dtype=torch.bfloat16, rounding_seed=parity.ROUNDING_SEED)),
+                          ("8-bit", dict(state_dtype=torch.uint8))):
+        final, each_way = train(name, fields, corpus, offsets)
+        print(f"{name} {label}: final loss {final:.4f} vs exact {exact:.4f} (ratio {final / exact:.4f}), "
+              f"{each_way:.3f} bytes per param each way")
+        assert abs(final / exact - 1) <= TOLERANCE, f"{name} {label}: {final:.4f} vs exact {exact:.4f}"
