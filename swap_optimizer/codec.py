@@ -29,7 +29,8 @@ ROUNDINGS = ("nearest", "nonzero", "up")  # index = the ops' rounding value
 # nearest; states that sit in a denominator (exp_avg_sq, RMSprop/Adadelta
 # square_avg, Adagrad sum, Adadelta acc_delta) to nearest but never to 0 when
 # positive (an 8-bit 0 there would divide by eps alone); running maxima
-# (max_exp_avg_sq, Adamax exp_inf) round up, so they stay maxima.
+# (max_exp_avg_sq) round up, so they stay maxima. (Adamax's exp_inf, a maximum
+# that decays, is never coded in 8 bits: rules/declarations.py, DECAYING_MAX.)
 STATE_CODE_FORMS = {
     "signed": ("signed", "nearest"),
     "denominator": ("unsigned", "nonzero"),

@@ -56,10 +56,11 @@ class SwapOptimizerConfig:
     kahan_summation: keep a 16-bit Kahan compensation buffer per 16-bit param,
         swapped like a state, that carries what rounding the param lost; half
         the bytes of master_weights (exclusive with it).
-    rounding_seed: seeds the stochastic rounding of bf16 moments (keyed by
-        param index, state, element index in the whole param and step, so
-        results do not depend on batching, device or rank). None: torch's
-        initial seed. Saved in the state dict.
+    rounding_seed: seeds the stochastic rounding of bf16 states (those of
+        state_dtype=torch.bfloat16, and under torch.uint8 those kept in bf16,
+        as Adamax's exp_inf), keyed by param index, state, element index in
+        the whole param and step, so results do not depend on batching,
+        device or rank. None: torch's initial seed. Saved in the state dict.
     pin_memory: page-locked host memory (falls back to pageable with a warning).
     keep_arenas: keep the staging arenas allocated between steps.
     staging_budget_bytes: when set, swap_times becomes the smallest count whose
@@ -147,9 +148,10 @@ class SwapOptimizerConfig:
                     or not 0 <= self.rounding_seed < 2 ** 63:
                 raise ValueError("SwapOptimizerConfig.rounding_seed must be None or an int in [0, 2**63), got "
                                  f"{self.rounding_seed!r}")
-            if self.state_dtype != torch.bfloat16:
-                raise ValueError("SwapOptimizerConfig.rounding_seed seeds the stochastic rounding of bf16 moments; "
-                                 "set state_dtype=torch.bfloat16 or drop rounding_seed")
+            if self.state_dtype not in (torch.bfloat16, torch.uint8):
+                raise ValueError("SwapOptimizerConfig.rounding_seed seeds the stochastic rounding of bf16 states "
+                                 "(state_dtype=torch.bfloat16, and under torch.uint8 the states kept in bf16, as "
+                                 "Adamax's exp_inf); set state_dtype=torch.bfloat16 or drop rounding_seed")
         if self.staging_budget_bytes is not None:
             _check_int("staging_budget_bytes", self.staging_budget_bytes, 1)
             if self.swap_times is not None and self.device_budget_bytes is None:

@@ -32,7 +32,9 @@ BF16, EIGHT_BIT = "bf16", "8bit"
 CODES, ABSMAX = "_codes", "_absmax"
 # Kinds of state that must not decode to 0 where the stored value is not 0
 # (a denominator, a running maximum), and the value an fp16 scratch gets there.
-NEVER_ZERO = ("denominator", "running_max")
+NEVER_ZERO = ("denominator", "running_max", "decaying_max")
+# Kinds kept in bf16 (stochastic) under 8-bit too (see StateSpec.code).
+BF16_UNDER_8BIT = ("decaying_max",)
 FP16_SMALLEST = 2.0 ** -24
 
 
@@ -45,11 +47,15 @@ def form_for(compact: Optional[str], code: Optional[str], param: torch.Tensor) -
     global numel) is stored in: None (exact) where the state has no compact
     kind, under 8-bit where the param has fewer than MIN_QUANTIZED_NUMEL
     elements (as Adam's), and under bf16 where the param is bf16 itself
-    (torch's state is bf16 already)."""
+    (torch's state is bf16 already). Under 8-bit, a kind of BF16_UNDER_8BIT
+    is stored as under bf16."""
     if compact is None or code is None:
         return None
     if compact == EIGHT_BIT:
-        return EIGHT_BIT if param.numel() >= MIN_QUANTIZED_NUMEL else None
+        if param.numel() < MIN_QUANTIZED_NUMEL:
+            return None
+        if code not in BF16_UNDER_8BIT:
+            return EIGHT_BIT
     return None if param.dtype == torch.bfloat16 else BF16
 
 

@@ -33,7 +33,7 @@ ELEMENT, WHOLE, SCALAR = "element", "whole", "scalar"
 # element state is, as swap_optimizer.codec.STATE_CODE_FORMS names it: the map
 # and rounding of its 8-bit codes (bf16 ones round stochastically, whatever
 # the kind).
-SIGNED, DENOMINATOR, RUNNING_MAX = "signed", "denominator", "running_max"
+SIGNED, DENOMINATOR, RUNNING_MAX, DECAYING_MAX = "signed", "denominator", "running_max", "decaying_max"
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,12 @@ class StateSpec:
     # momentum, nearest code of the signed map; DENOMINATOR: a positive state
     # under a square root or in a divisor, unsigned map, never rounded to 0
     # where it is not 0; RUNNING_MAX: a running maximum, unsigned map, rounded
-    # up so it stays a maximum), or None: the state stays exact (Rprop's prev
-    # and step sizes, a state not worth compacting).
+    # up so it stays a maximum; DECAYING_MAX: a maximum that decays each step,
+    # max(beta * state, |grad|), kept in bf16 under 8-bit too: rounded up or
+    # to nearest, a decay smaller than half an 8-bit code's spacing would
+    # leave the code where it is forever, where bf16's stochastic rounding
+    # keeps the decay in expectation), or None: the state stays exact (Rprop's
+    # prev and step sizes, a state not worth compacting).
     code: Optional[str] = None
 
 
@@ -237,7 +241,7 @@ DECLARATIONS: list[Declaration] = [
     Declaration((torch.optim.Adadelta,), lambda p, g: _scalars("step") + _compact(square_avg=DENOMINATOR,
                                                                                     acc_delta=DENOMINATOR),
                 elementwise=True),
-    Declaration((torch.optim.Adamax,), lambda p, g: _scalars("step") + _compact(exp_avg=SIGNED, exp_inf=RUNNING_MAX),
+    Declaration((torch.optim.Adamax,), lambda p, g: _scalars("step") + _compact(exp_avg=SIGNED, exp_inf=DECAYING_MAX),
                 elementwise=True),
     Declaration((torch.optim.NAdam,), lambda p, g: _scalars("step", "mu_product") + _compact(
         exp_avg=SIGNED, exp_avg_sq=DENOMINATOR), elementwise=True),

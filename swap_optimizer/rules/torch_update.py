@@ -459,7 +459,7 @@ class TorchUpdateRule:
         _refuse_settings(config, type(self.optimizer).__name__, self.declaration, self.learning)
         self._compact = compact_of(config.state_dtype)
         self._rounding_seed = None
-        if self._compact == BF16:  # the seed is saved in state dicts
+        if self._compact is not None:  # bf16 states (under 8-bit too: BF16_UNDER_8BIT); saved in state dicts
             self._rounding_seed = config.rounding_seed if config.rounding_seed is not None else \
                 _shared_default_seed()
         if self._compact is not None:
