@@ -1,7 +1,7 @@
 """What the examples share: their command line, a small model and token data
 built from a config (nothing downloaded), the memory figures, and the final
 state each run writes so that a resumed run can be compared with an
-uninterrupted one (tests/test_examples.py does).
+uninterrupted one (tests/tools/test_examples.py does).
 
 Every example runs in one of four phases (--phase):
   all       (default) train to --stop-at, save a checkpoint, then build the

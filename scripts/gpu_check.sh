@@ -5,7 +5,7 @@
 #
 #   1. build           90 s  the offline build against the torch that is there (build.log)
 #      import          10 s  the installed build imports with its CUDA kernels; torch, CUDA, GPU (build.log)
-#      devices         25 s  tests/test_devices.py: every entry with "cuda", torch.device("cuda"), "cuda:0" (tests.log)
+#      devices         25 s  tests/runtime/test_devices.py: every entry with "cuda", torch.device("cuda"), "cuda:0" (tests.log)
 #   2. main-job        20 s  python -P -m swap_optimizer.bench as a user runs it: no --device (bench.log)
 #   3. parity          50 s  a curated CUDA parity set under pytest -n 4 (tests.log)
 #      parity-delays   20 s  the delayed-copy tests, on their own without -n (tests.log)
@@ -47,7 +47,7 @@ OUT_FILES=(gpu_check.json summary.txt build.log tests.log bench.log sanitizers.l
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-export SWAP_OPTIMIZER_REQUIRE_CUDA_BUILD=1  # tests/test_build.py fails a build without the CUDA kernels
+export SWAP_OPTIMIZER_REQUIRE_CUDA_BUILD=1  # tests/tools/test_build.py fails a build without the CUDA kernels
 PY="${PYTHON:-python3}"
 status=0       # 1 once any stage failed or timed out
 skip_reason="" # set once the build failed: every later stage is recorded as not run
@@ -300,7 +300,7 @@ PYEOF
 # parametrized cases took 13.5 s of test time (the slowest: the rules' bitwise
 # runs, 1.1-1.7 s each, and the overlapped Adafactor and NAdam, 1.7 and 1.3 s;
 # most others under 0.2 s); the dropped-optimizer tests of
-# tests/test_deferred_lifetime.py, 13.6 s (Lion 3.5 s, SGD nesterov 2.3 s,
+# tests/runtime/test_deferred_lifetime.py, 13.6 s (Lion 3.5 s, SGD nesterov 2.3 s,
 # the rest under 1.6 s). The 21 GPU-only tests have no twin: about 1 s each
 # assumed. About 48 s in one process; under -n 4 (four pytest workers share
 # the one GPU, each with its own CUDA context, about 500 MB, and 4 OpenMP
@@ -308,83 +308,83 @@ PYEOF
 # import, collection, the CUDA context: 5-8 s): 50 s leaves twice that.
 PARITY_TESTS=(
   # AdamW: the fused CUDA kernel against the CPU kernel and torch, the wrapper end to end, the pinned store
-  "tests/test_fused_adam_op.py::test_cuda_matches_cpu[fp32]"
-  "tests/test_fused_adam_op.py::test_cuda_matches_cpu[bf16 masters]"
-  "tests/test_fused_adam_op.py::test_fp32_matches_torch_optim[adamw-ams1-max0-wd0.1-cuda]"
-  "tests/test_fused_adam_op.py::test_opcheck[cuda]"
-  "tests/test_optimizer.py::test_training_matches_wrapped_optimizer[mlp-adamw-ams1-3-3-cuda]"
-  "tests/test_optimizer.py::test_state_lives_in_host_memory_between_steps[cuda]"
+  "tests/kernels/test_fused_adam_op.py::test_cuda_matches_cpu[fp32]"
+  "tests/kernels/test_fused_adam_op.py::test_cuda_matches_cpu[bf16 masters]"
+  "tests/kernels/test_fused_adam_op.py::test_fp32_matches_torch_optim[adamw-ams1-max0-wd0.1-cuda]"
+  "tests/kernels/test_fused_adam_op.py::test_opcheck[cuda]"
+  "tests/optimizer/test_optimizer.py::test_training_matches_wrapped_optimizer[mlp-adamw-ams1-3-3-cuda]"
+  "tests/optimizer/test_optimizer.py::test_state_lives_in_host_memory_between_steps[cuda]"
   # torch's own update rules, bitwise torch (Adam/AdamW with default states too: each implementation flag
   # against its own torch path; Adafactor keeps params whole), and their device temporaries
-  "tests/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[Adam-0-cuda]"
-  "tests/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[AdamW-1-cuda]"
-  "tests/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[SGD-2-cuda]"
-  "tests/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[RMSprop-5-cuda]"
-  "tests/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[NAdam-8-cuda]"
-  "tests/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[Adafactor-12-cuda]"
-  "tests/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[Muon-13-cuda]"
-  "tests/test_rules.py::test_16_bit_params[Adafactor-cuda]"
-  "tests/test_rules.py::test_device_peak_stays_within_staging_and_the_temporaries_estimate_on_cuda"  # all 6
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[Adam-0-cuda]"
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[AdamW-1-cuda]"
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[SGD-2-cuda]"
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[RMSprop-5-cuda]"
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[NAdam-8-cuda]"
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[Adafactor-12-cuda]"
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[Muon-13-cuda]"
+  "tests/rules/test_rules.py::test_16_bit_params[Adafactor-cuda]"
+  "tests/rules/test_rules.py::test_device_peak_stays_within_staging_and_the_temporaries_estimate_on_cuda"  # all 6
   # a vouched-for optimizer (trust_per_param_step), whole and cut into pieces, and under a budget
-  "tests/test_trusted_optimizers.py::test_a_hand_written_lion_is_bitwise_the_plain_one[True-cuda]"
-  "tests/test_trusted_optimizers.py::test_learned_states_of_every_kind[dtype1-cuda]"
-  "tests/test_trusted_optimizers.py::test_a_device_budget_keeps_part_of_a_vouched_for_optimizers_state_resident[cuda]"
+  "tests/rules/test_trusted_optimizers.py::test_a_hand_written_lion_is_bitwise_the_plain_one[True-cuda]"
+  "tests/rules/test_trusted_optimizers.py::test_learned_states_of_every_kind[dtype1-cuda]"
+  "tests/rules/test_trusted_optimizers.py::test_a_device_budget_keeps_part_of_a_vouched_for_optimizers_state_resident[cuda]"
   # compact states: bf16 moments, 8-bit, Kahan, the kernels against the CPU's bit for bit
-  "tests/test_compact_states.py::test_8bit_kernel_encoding_equals_reference_bitwise[cuda]"
-  "tests/test_compact_states.py::test_modes_bitwise_across_swap_times_arenas_and_splits[fp32 params, bf16 moments-cuda]"
-  "tests/test_compact_states.py::test_modes_bitwise_across_swap_times_arenas_and_splits[fp32 params, 8-bit moments-cuda]"
-  "tests/test_compact_states.py::test_modes_bitwise_across_swap_times_arenas_and_splits[bf16 params, Kahan, 8-bit moments-cuda]"
-  "tests/test_compact_states.py::test_modes_bitwise_across_swap_times_arenas_and_splits[bf16 params, Kahan, bf16 moments-cuda]"
-  "tests/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[fp32 params, bf16 moments]"
-  "tests/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[fp32 params, 8-bit moments]"
-  "tests/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[8-bit moments, amsgrad]"
-  "tests/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[bf16 params, Kahan, 8-bit moments]"
-  "tests/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[bf16 params, Kahan, bf16 moments]"
-  "tests/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[fp16 params, Kahan, fp32 moments]"
+  "tests/rules/test_compact_states.py::test_8bit_kernel_encoding_equals_reference_bitwise[cuda]"
+  "tests/rules/test_compact_states.py::test_modes_bitwise_across_swap_times_arenas_and_splits[fp32 params, bf16 moments-cuda]"
+  "tests/rules/test_compact_states.py::test_modes_bitwise_across_swap_times_arenas_and_splits[fp32 params, 8-bit moments-cuda]"
+  "tests/rules/test_compact_states.py::test_modes_bitwise_across_swap_times_arenas_and_splits[bf16 params, Kahan, 8-bit moments-cuda]"
+  "tests/rules/test_compact_states.py::test_modes_bitwise_across_swap_times_arenas_and_splits[bf16 params, Kahan, bf16 moments-cuda]"
+  "tests/rules/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[fp32 params, bf16 moments]"
+  "tests/rules/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[fp32 params, 8-bit moments]"
+  "tests/rules/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[8-bit moments, amsgrad]"
+  "tests/rules/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[bf16 params, Kahan, 8-bit moments]"
+  "tests/rules/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[bf16 params, Kahan, bf16 moments]"
+  "tests/rules/test_compact_states.py::test_cuda_kernel_equals_cpu_kernel[fp16 params, Kahan, fp32 moments]"
   # master weights
-  "tests/test_optimizer.py::test_master_weights_track_fp32_reference[dtype0-cuda]"
-  "tests/test_split_params.py::test_variants_split_bitwise_like_unsplit[bf16 with fp32 states and masters-cuda]"
+  "tests/optimizer/test_optimizer.py::test_master_weights_track_fp32_reference[dtype0-cuda]"
+  "tests/runtime/test_split_params.py::test_variants_split_bitwise_like_unsplit[bf16 with fp32 states and masters-cuda]"
   # split params, their state dict and a fault inside one
-  "tests/test_split_params.py::test_split_training_is_bitwise_across_splits_and_matches_torch[cuda]"
-  "tests/test_split_params.py::test_state_dict_of_split_params_round_trips[cuda]"
-  "tests/test_split_params.py::test_fault_inside_and_outside_a_split_param_keeps_every_element_consistent[update-3-all swapped-cuda]"
+  "tests/runtime/test_split_params.py::test_split_training_is_bitwise_across_splits_and_matches_torch[cuda]"
+  "tests/runtime/test_split_params.py::test_state_dict_of_split_params_round_trips[cuda]"
+  "tests/runtime/test_split_params.py::test_fault_inside_and_outside_a_split_param_keeps_every_element_consistent[update-3-all swapped-cuda]"
   # overlap_forward: AdamW and torch-update rules, a tensor lr under a scheduler, the waits, a graph capture
-  "tests/test_overlap.py::test_overlap_trains_bitwise_like_without[plain-cuda]"
-  "tests/test_overlap.py::test_overlap_trains_bitwise_like_without[scheduler-cuda]"
-  "tests/test_overlap.py::test_the_waits_are_what_keeps_it_right[cuda]"
-  "tests/test_overlap.py::test_fault_at_every_batch_of_a_deferred_step_loses_nothing[update-cuda]"
-  "tests/test_overlap.py::test_cuda_graph_capture_after_wait_is_refused_until_synchronize"
-  "tests/test_overlap_rules.py::test_overlap_trains_bitwise_like_without[NAdam-plain-cuda]"
-  "tests/test_overlap_rules.py::test_overlap_trains_bitwise_like_without[Adafactor-plain-cuda]"
-  "tests/test_overlap_rules.py::test_overlap_trains_bitwise_like_without[SGD-foreach-nesterov-scheduler-cuda]"
-  "tests/test_overlap_models.py::test_reads_the_probe_cannot_see_finish_inside_step[cuda]"
+  "tests/overlap/test_overlap.py::test_overlap_trains_bitwise_like_without[plain-cuda]"
+  "tests/overlap/test_overlap.py::test_overlap_trains_bitwise_like_without[scheduler-cuda]"
+  "tests/overlap/test_overlap.py::test_the_waits_are_what_keeps_it_right[cuda]"
+  "tests/overlap/test_overlap.py::test_fault_at_every_batch_of_a_deferred_step_loses_nothing[update-cuda]"
+  "tests/overlap/test_overlap.py::test_cuda_graph_capture_after_wait_is_refused_until_synchronize"
+  "tests/overlap/test_overlap_rules.py::test_overlap_trains_bitwise_like_without[NAdam-plain-cuda]"
+  "tests/overlap/test_overlap_rules.py::test_overlap_trains_bitwise_like_without[Adafactor-plain-cuda]"
+  "tests/overlap/test_overlap_rules.py::test_overlap_trains_bitwise_like_without[SGD-foreach-nesterov-scheduler-cuda]"
+  "tests/overlap/test_overlap_models.py::test_reads_the_probe_cannot_see_finish_inside_step[cuda]"
   # a device budget: bitwise at every resident share, and max_memory_allocated within it
-  "tests/test_device_budget.py::test_results_are_bitwise_at_every_resident_share[fp32-cuda]"
-  "tests/test_device_budget.py::test_results_are_bitwise_at_every_resident_share[8-bit-cuda]"
-  "tests/test_device_budget.py::test_other_optimizers_are_bitwise_torch_at_every_share[rmsprop-cuda]"
-  "tests/test_device_budget.py::test_the_budget_is_never_exceeded_and_the_plan_is_the_runtime_accounting[3-cuda]"
-  "tests/test_device_budget.py::test_cuda_max_memory_allocated_stays_within_the_budget"
+  "tests/budget/test_device_budget.py::test_results_are_bitwise_at_every_resident_share[fp32-cuda]"
+  "tests/budget/test_device_budget.py::test_results_are_bitwise_at_every_resident_share[8-bit-cuda]"
+  "tests/budget/test_device_budget.py::test_other_optimizers_are_bitwise_torch_at_every_share[rmsprop-cuda]"
+  "tests/budget/test_device_budget.py::test_the_budget_is_never_exceeded_and_the_plan_is_the_runtime_accounting[3-cuda]"
+  "tests/budget/test_device_budget.py::test_cuda_max_memory_allocated_stays_within_the_budget"
   # GradScaler: unscaled on the host and in step() (unscale_in_step), an inf step, overlapped, split, fused rules
-  "tests/test_integration.py::test_grad_scaler_with_an_inf_step_and_clipping[False-cuda]"
-  "tests/test_integration.py::test_grad_scaler_with_an_inf_step_and_clipping[True-cuda]"
-  "tests/test_overlap.py::test_overlap_trains_bitwise_like_without[grad_scaler_in_step-cuda]"
-  "tests/test_split_params.py::test_grad_scaler_skip_step_with_split_params[cuda]"
-  "tests/test_fused_adam_op.py::test_grad_scale_matches_torch_fused[cuda]"
-  "tests/test_fused_adam_op.py::test_found_inf_changes_nothing[cuda]"
-  "tests/test_rules.py::test_fused_takes_the_scale_and_inf_flag_in_step[SGD-cuda]"
+  "tests/optimizer/test_integration.py::test_grad_scaler_with_an_inf_step_and_clipping[False-cuda]"
+  "tests/optimizer/test_integration.py::test_grad_scaler_with_an_inf_step_and_clipping[True-cuda]"
+  "tests/overlap/test_overlap.py::test_overlap_trains_bitwise_like_without[grad_scaler_in_step-cuda]"
+  "tests/runtime/test_split_params.py::test_grad_scaler_skip_step_with_split_params[cuda]"
+  "tests/kernels/test_fused_adam_op.py::test_grad_scale_matches_torch_fused[cuda]"
+  "tests/kernels/test_fused_adam_op.py::test_found_inf_changes_nothing[cuda]"
+  "tests/rules/test_rules.py::test_fused_takes_the_scale_and_inf_flag_in_step[SGD-cuda]"
   # state dicts, faults, the memory formula on the real allocator, CUDA-only refusals and the pinning fallback
-  "tests/test_state_dicts.py::test_round_trip_equals_uninterrupted_run[True-cuda]"
-  "tests/test_pipeline.py::test_fault_at_each_batch_loses_nothing[update-3-cuda]"
-  "tests/test_pipeline.py::test_memory_follows_the_formula_and_stays_flat[3-cuda]"
-  "tests/test_hardening.py::test_step_inside_cuda_graph_capture_is_refused_at_once"
-  "tests/test_hardening.py::test_a_state_edited_right_after_a_step_reaches_the_store_on_cuda"
-  "tests/test_hardening.py::test_writes_on_one_cuda_stream_then_a_step_on_another"
-  "tests/test_layout_errors.py::test_cuda_device_mismatches_are_refused"
-  "tests/test_reliability.py::test_pinning_failure_falls_back_to_pageable_memory_with_one_warning"
+  "tests/optimizer/test_state_dicts.py::test_round_trip_equals_uninterrupted_run[True-cuda]"
+  "tests/runtime/test_pipeline.py::test_fault_at_each_batch_loses_nothing[update-3-cuda]"
+  "tests/runtime/test_pipeline.py::test_memory_follows_the_formula_and_stays_flat[3-cuda]"
+  "tests/optimizer/test_hardening.py::test_step_inside_cuda_graph_capture_is_refused_at_once"
+  "tests/optimizer/test_hardening.py::test_a_state_edited_right_after_a_step_reaches_the_store_on_cuda"
+  "tests/optimizer/test_hardening.py::test_writes_on_one_cuda_stream_then_a_step_on_another"
+  "tests/kernels/test_layout_errors.py::test_cuda_device_mismatches_are_refused"
+  "tests/optimizer/test_reliability.py::test_pinning_failure_falls_back_to_pageable_memory_with_one_warning"
   # a dropped optimizer's last step, per optimizer family: the file's CUDA variants (-k below)
-  "tests/test_deferred_lifetime.py"
+  "tests/runtime/test_deferred_lifetime.py"
 )
-# From tests/test_deferred_lifetime.py only the CUDA variants (their CPU twins
+# From tests/runtime/test_deferred_lifetime.py only the CUDA variants (their CPU twins
 # run in CI); every other id above is taken whole.
 PARITY_SELECT="cuda or not test_deferred_lifetime"
 
@@ -394,14 +394,14 @@ PARITY_SELECT="cuda or not test_deferred_lifetime"
 # without -n and nothing else on the GPU. CPU twins of the six random-delay
 # tests: 7.2 s in all (copies-2 3.8 s, the rest 0.5-0.9 s).
 DELAY_TESTS=(
-  "tests/test_pipeline.py::test_random_delays_change_nothing[copies-2-cuda]"
-  "tests/test_pipeline.py::test_random_delays_change_nothing[copies-3-cuda]"
-  "tests/test_pipeline.py::test_random_delays_change_nothing[copies-4-cuda]"
-  "tests/test_pipeline.py::test_random_delays_change_nothing[updates-2-cuda]"
-  "tests/test_pipeline.py::test_random_delays_change_nothing[updates-3-cuda]"
-  "tests/test_pipeline.py::test_random_delays_change_nothing[updates-4-cuda]"
-  "tests/test_overlap.py::test_cuda_forward_waits_on_the_stream_without_host_sync"
-  "tests/test_overlap.py::test_cuda_graph_captured_before_the_first_step_never_races_a_step"
+  "tests/runtime/test_pipeline.py::test_random_delays_change_nothing[copies-2-cuda]"
+  "tests/runtime/test_pipeline.py::test_random_delays_change_nothing[copies-3-cuda]"
+  "tests/runtime/test_pipeline.py::test_random_delays_change_nothing[copies-4-cuda]"
+  "tests/runtime/test_pipeline.py::test_random_delays_change_nothing[updates-2-cuda]"
+  "tests/runtime/test_pipeline.py::test_random_delays_change_nothing[updates-3-cuda]"
+  "tests/runtime/test_pipeline.py::test_random_delays_change_nothing[updates-4-cuda]"
+  "tests/overlap/test_overlap.py::test_cuda_forward_waits_on_the_stream_without_host_sync"
+  "tests/overlap/test_overlap.py::test_cuda_graph_captured_before_the_first_step_never_races_a_step"
 )
 PYTEST=(-P -m pytest -v -p no:cacheprovider -rfEs --durations=10)  # -v: counts survive a timeout
 
@@ -694,8 +694,8 @@ stage build 90 build.log "$PY" -m pip install -v --no-build-isolation --no-deps 
 export PYTHONSAFEPATH=1
 stage import 10 build.log "$PY" -P "$import_check" cuda \
   || skip_reason=${skip_reason:-"build failed (the installed build does not import with its CUDA kernels)"}
-stage devices 25 tests.log "$PY" "${PYTEST[@]}" tests/test_devices.py \
-  "tests/test_build.py::test_cuda_kernels_compiled_when_torch_is_a_cuda_build"
+stage devices 25 tests.log "$PY" "${PYTEST[@]}" tests/runtime/test_devices.py \
+  "tests/tools/test_build.py::test_cuda_kernels_compiled_when_torch_is_a_cuda_build"
 
 # 2. The main job as a user runs it (README command 1): the default model on the GPU it picks itself.
 stage main-job 20 bench.log "$PY" -P -m swap_optimizer.bench --json "$WORK/main-job.json"

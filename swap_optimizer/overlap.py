@@ -453,7 +453,7 @@ def _wait_for_dropped_step(runtime) -> None:
                       "step() to see such a failure raised", RuntimeWarning, stacklevel=3)
 
 # Tests only: the rules ForwardOverlap.knocked_out_rules may switch off, one at
-# a time, each caught by its own test in tests/test_overlap_mutations.py.
+# a time, each caught by its own test in tests/overlap/test_overlap_mutations.py.
 KNOCKABLE_RULES = {
     "probe_rank_late": "a read the probe saw is placed one call after the call it was read in",
     "probe_ranks": "the probe's reads are ignored (only the static rules place waits)",
@@ -489,7 +489,7 @@ class ForwardOverlap:
         # compiled model's first call).
         self.knocked_out: set[int] = set()
         self.unguarded: set[str] = set()
-        # Tests only (tests/test_overlap_mutations.py): single rules switched
+        # Tests only (tests/overlap/test_overlap_mutations.py): single rules switched
         # off, each one of KNOCKABLE_RULES.
         self.knocked_out_rules: set[str] = set()
         self._param_positions: list[int] = []  # per param: the last pipeline position holding it

@@ -11,8 +11,12 @@ ROOT = os.path.dirname(TESTS)
 # root that would import its source folder, which has no compiled extension,
 # in place of the installed build.
 sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != ROOT]
-# Shared helpers live beside the tests (pytest runs in importlib mode).
-sys.path.insert(0, TESTS)
+# Shared helpers (pairs.py, optimizer_cases.py, ...) live here, the tests in a
+# folder per subsystem; pytest runs in importlib mode, so both go on sys.path
+# (a test module that shares its models with others, test_overlap's, is
+# imported by name).
+SUBSYSTEMS = ("kernels", "runtime", "budget", "rules", "optimizer", "overlap", "distributed", "tools")
+sys.path[:0] = [TESTS] + [os.path.join(TESTS, folder) for folder in SUBSYSTEMS]
 
 import swap_optimizer  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Multi-process cases for tests/test_distributed.py: each runs on 2 ranks
+"""Multi-process cases for tests/distributed/test_distributed.py: each runs on 2 ranks
 spawned here, on 127.0.0.1 with a free port, and asserts inside the ranks.
 
     python distributed_cases.py CASE WORK_DIR [gloo|nccl]
@@ -287,7 +287,7 @@ def case_fsdp2_other_optimizers(rank, device, work_dir):
 
 
 class Lion(torch.optim.Optimizer):
-    """Lion written by hand, elementwise (as tests/test_trusted_optimizers.py's),
+    """Lion written by hand, elementwise (as tests/rules/test_trusted_optimizers.py's),
     with a count of its updates kept as a number: SwapOptimizer has no
     declaration for it, so it is wrapped on trust_per_param_step."""
 

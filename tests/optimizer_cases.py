@@ -1,7 +1,7 @@
 """One table of the optimizers SwapOptimizer wraps, with their kwargs variants
 and what SwapOptimizer can do with each, as data (in the spirit of torch's
 OptimizerInfo, torch/testing/_internal/common_optim.py).
-tests/test_optimizer_capabilities.py runs every capability over it: a
+tests/rules/test_optimizer_capabilities.py runs every capability over it: a
 capability set False makes that optimizer's rows skip or assert the refusal.
 
 The capabilities say what the library does today: every optimizer here is

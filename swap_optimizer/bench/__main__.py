@@ -121,7 +121,7 @@ def parser() -> argparse.ArgumentParser:
 
 def check_arguments(p: argparse.ArgumentParser, args) -> None:
     """The rules on the arguments alone (p.error exits), checked before
-    anything runs; tests/test_gpu_check_script.py holds the GPU check's
+    anything runs; tests/tools/test_gpu_check_script.py holds the GPU check's
     invocations to them."""
     if args.plot and not args.plot.endswith(".png"):
         p.error(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")

@@ -89,7 +89,7 @@ class Declaration:
     # threads share a tensor, so a cut can change torch's own result (SGD's
     # does, and Adam's L2 weight decay). Say True only for settings a test
     # proves cut and whole bitwise alike for every implementation flag
-    # (tests/test_rules.py::test_cut_16_bit_params_on_cpu_where_declared);
+    # (tests/rules/test_rules.py::test_cut_16_bit_params_on_cpu_where_declared);
     # None: never.
     cuts_16_bit_on_cpu: Optional[Callable[[dict], bool]] = None
     # Which optimizers match beyond the classes themselves (subclasses that

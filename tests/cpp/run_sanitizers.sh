@@ -33,7 +33,7 @@ LD_PRELOAD="$preload" PYTHONPATH="$WORK/asan_lib" ASAN_OPTIONS="detect_leaks=0" 
 # torch.compile test is left out: under ASan it spends minutes compiling
 # inductor's code, none of it ours; so is the slow tier, as in any
 # `pytest tests` (the 1,000-step training parity run, whose kernels
-# tests/test_compact_states.py drives under ASan in seconds); and so are the
+# tests/rules/test_compact_states.py drives under ASan in seconds); and so are the
 # two tests that the pip-installed build is the one imported, which this
 # instrumented build is not.
 LD_PRELOAD="$preload" PYTHONPATH="$WORK/asan_lib" \

@@ -5,7 +5,7 @@ The models are built so that no wait hides another: every param is its own
 batch (min_numel=0, swap_times = the number of params, all params the same
 size) and no two modules share a param, so a single misplaced wait leaves a
 param whose update lags behind the read (random delays on every copy and
-update, as in tests/test_overlap.py). Each run with overlap is compared
+update, as in tests/overlap/test_overlap.py). Each run with overlap is compared
 bitwise (torch.equal) with the same loop without it; its negative control
 switches off exactly its own rule (ForwardOverlap.knocked_out_rules, listed in
 swap_optimizer.overlap.KNOCKABLE_RULES) and the same comparison then fails.
@@ -357,7 +357,7 @@ def test_an_overlapped_step_on_cuda_is_unproven_until_synchronize(monkeypatch):
     """On CUDA, wait() after an overlapped step is a stream wait: nothing on
     the host proves that the step ended, so a capture is refused until
     synchronize(). The overlapped step itself marks that (the set-point of
-    `unproven`; tests/test_overlap.py sets it by hand): simulated with the
+    `unproven`; tests/overlap/test_overlap.py sets it by hand): simulated with the
     overlap's device set to CUDA for one deferred step and captures faked."""
     assert capture_refused_after_wait(monkeypatch), \
         "a capture was taken after a stream wait: the overlapped step did not mark itself unproven"

@@ -12,6 +12,7 @@ import torch
 
 from swap_optimizer.bench import runner
 from swap_optimizer.bench.__main__ import main
+from conftest import ROOT
 
 ROW_KEYS = {"mode", "kind", "swap_times", "num_arenas", "master_weights", "peak_train_bytes", "peak_step_bytes",
             "step_ms", "train_step_ms", "h2d_bytes", "d2h_bytes", "host_bytes", "floor_ms", "step_over_floor"}
@@ -107,7 +108,7 @@ def test_staging_share_of_public_model_shapes_meets_the_target(tmp_path):
     """benchmarks/staging_share.py from the plan (no real step): on the GPT-2,
     Qwen2.5-0.5B and Llama-3.2-1B shapes, staging within 0.01 of the state of
     the ideal num_arenas / swap_times, where keeping params whole needed 0.43-0.62."""
-    script = pathlib.Path(__file__).parent.parent / "benchmarks" / "staging_share.py"
+    script = pathlib.Path(ROOT) / "benchmarks" / "staging_share.py"
     report = tmp_path / "share.json"
     out = subprocess.run([sys.executable, "-P", str(script), "--real-step", "none", "--json", str(report)],
                          capture_output=True, text=True, timeout=300)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import swap_optimizer as so
-from conftest import DEVICES, requires_cuda
+from conftest import DEVICES, TESTS, requires_cuda
 from pairs import assert_same_state, bits, give_grads, run_pair, same_bits
 
 # (class name, hyper-parameters): each keeps per-param state, and each runs
@@ -183,8 +183,8 @@ def test_turning_on_l2_weight_decay_keeps_16_bit_params_whole_from_then_on():
 @pytest.mark.slow
 def test_cut_16_bit_params_on_every_cpu_instruction_set():
     """The same on the baseline, AVX2 and AVX-512 builds of torch's CPU kernels."""
-    tests = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {tests!r}); import torch, test_rules; "
+    folders = [TESTS, os.path.dirname(os.path.abspath(__file__))]
+    code = (f"import sys; sys.path[:0] = {folders!r}; import torch, test_rules; "
             "print(torch.backends.cpu.get_cpu_capability(), test_rules.cut_16_bit_surprises())")
     seen = {}
     for capability in ["default", "avx2", "avx512"]:
@@ -533,7 +533,7 @@ def test_a_staging_budget_picks_swap_times_counting_torchs_temporaries(name):
 
 
 @pytest.mark.parametrize("setting,message", [
-    # (bf16 and 8-bit states work with every elementwise optimizer: tests/test_compact_rules.py)
+    # (bf16 and 8-bit states work with every elementwise optimizer: tests/rules/test_compact_rules.py)
     (dict(state_dtype=torch.float32), "state_dtype work\\(s\\) with Adam/AdamW only"),
     (dict(master_weights=True), "master_weights"),
     (dict(kahan_summation=True), "kahan_summation"),

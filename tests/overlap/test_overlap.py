@@ -8,7 +8,7 @@ missed wait reads a param before its update and changes bits (checked: with
 the waits switched off these tests fail). Comparisons are torch.equal (bitwise)
 against the same loop with overlap_forward=False. The first step after the
 optimizer is made runs whole (the probe); the ones after it overlap.
-tests/test_overlap_models.py has the model code the hooks were not written for.
+tests/overlap/test_overlap_models.py has the model code the hooks were not written for.
 """
 
 

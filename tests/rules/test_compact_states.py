@@ -454,7 +454,7 @@ def test_training_with_compact_states_tracks_fp32():
     """60 steps: each compact mode's held-out loss ends as close to torch's
     fp32 AdamW's as 5% of the way that run came down from the untrained loss
     (measured: under 0.4%; a step that did nothing would be 100%). The long
-    parity run is tests/test_train_parity.py."""
+    parity run is tests/rules/test_train_parity.py."""
     from test_split_params import loss_of
 
     def held_out_loss(model):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import swap_optimizer
+from conftest import ROOT
 
 
 def test_built_with_cuda_is_a_bool():
@@ -26,7 +27,7 @@ def test_importing_the_source_folder_says_the_extension_is_not_built_there(tmp_p
     """A checkout's source folder has no _C; importing it (python run in the repo
     root) names the problem and the fix instead of a circular-import error."""
     import shutil
-    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "swap_optimizer")
+    source = os.path.join(ROOT, "swap_optimizer")
     shutil.copytree(source, tmp_path / "swap_optimizer", ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
     out = subprocess.run([sys.executable, "-c", "import swap_optimizer"], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode != 0
@@ -46,8 +47,8 @@ def test_the_installed_build_is_the_one_under_test():
 def test_python_m_pytest_from_the_checkout_tests_the_installed_build():
     """`python -m pytest tests` puts the current directory, the checkout's root,
     on sys.path; it must still test the installed build."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_build.py",
+    root = ROOT
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/tools/test_build.py",
                           "-k", "installed_build_is_the_one_under_test"], cwd=root, capture_output=True, text=True)
     assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 

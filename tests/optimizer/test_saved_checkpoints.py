@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import swap_optimizer as so
+from conftest import TESTS
 
-SAVED = torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "adam_store_checkpoints.pt"),
+SAVED = torch.load(os.path.join(TESTS, "data", "adam_store_checkpoints.pt"),
                    weights_only=False)
 
 

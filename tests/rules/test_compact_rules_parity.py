@@ -7,19 +7,20 @@ own optimizer, fp32 states) against SwapOptimizer with bf16 states
 (mean of the last 50 steps) must be within 2% of the exact run's, and the
 exact run must have learned (well under ln 256 = 5.55 nats). ASGD is left
 out: its only compact state, ax, is read by no update, so its loss is the
-exact run's (tests/test_compact_rules.py checks its forms and round trips).
+exact run's (tests/rules/test_compact_rules.py checks its forms and round trips).
 """
 
 import math
-import pathlib
+import os
 import sys
 
 import pytest
 import torch
 
 import swap_optimizer as so
+from conftest import ROOT
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import state_modes_parity as parity  # noqa: E402
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+from conftest import ROOT, TESTS
+
 SCRIPT = os.path.join(TESTS, "distributed_cases.py")
 with open(SCRIPT) as _source:  # every case the script defines: none can be left out
     CASES = re.findall(r"^def case_(\w+)\(", _source.read(), flags=re.M)
@@ -46,6 +47,6 @@ def test_two_ranks_nccl(case, tmp_path):
 
 def test_every_case_is_documented():
     """docs/distributed.md says what each case checks."""
-    with open(os.path.join(os.path.dirname(TESTS), "docs", "distributed.md")) as doc:
+    with open(os.path.join(ROOT, "docs", "distributed.md")) as doc:
         documented = re.findall(r"^\| `(\w+)` \|", doc.read(), flags=re.M)
     assert "fsdp2_8bit" in CASES and sorted(documented) == sorted(CASES) and SLOW_CASES < set(CASES)

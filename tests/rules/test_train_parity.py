@@ -11,7 +11,7 @@ below half a bf16 ulp, which round-to-nearest bf16 never applies.
 
 import json
 import math
-import pathlib
+import os
 import sys
 
 import pytest
@@ -19,8 +19,9 @@ import torch
 from torch.testing import assert_close
 
 import swap_optimizer as so
+from conftest import ROOT
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import state_modes_parity  # noqa: E402
 

@@ -2,7 +2,7 @@
 each test runs a row per (optimizer, kwargs variant), and a capability the
 table marks False for an optimizer makes that optimizer's rows skip or
 assert SwapOptimizer's refusal. Tiny params and 3 steps a row: the point is
-the coverage, not the soak (tests/test_rules.py and the others go deep on
+the coverage, not the soak (tests/rules/test_rules.py and the others go deep on
 single features)."""
 
 import copy
@@ -312,7 +312,7 @@ def _entry_equal(a, b):
 def mesh():
     """A one-rank gloo process group in this process and its device mesh:
     enough for DTensor params and the wrap's checks, without spawning ranks
-    (tests/test_distributed.py runs two)."""
+    (tests/distributed/test_distributed.py runs two)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 

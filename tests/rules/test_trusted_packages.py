@@ -108,7 +108,7 @@ def test_bitwise_or_refused(name):
         pytest.skip(TOO_SLOW[name])
     cls = make_class(name)
     if isinstance(cls, type) and issubclass(cls, torch.optim.Adam):
-        pytest.skip("Adam/AdamW: SwapOptimizer's own fused path (tests/test_fused_adam_op.py)")
+        pytest.skip("Adam/AdamW: SwapOptimizer's own fused path (tests/kernels/test_fused_adam_op.py)")
     try:
         reference, reference_state = run(cls)
     except Exception as error:  # noqa: BLE001  (needs a closure, a model, extra arguments: not a case here)

@@ -56,7 +56,7 @@ def snapshot(optimizer, model):
 def test_fault_at_each_batch_loses_nothing(fault, num_arenas, device):
     model = build_model("mlp", device)
     # (the packed kernel's pipeline: a signal lands at a param boundary; torch's
-    # update holds it until the step is done, tests/test_rules.py)
+    # update holds it until the step is done, tests/rules/test_rules.py)
     optimizer = swap_optimizer("adamw", model.parameters(), swap_times=3, num_arenas=num_arenas, min_numel=100,
                                **PACKED_KERNEL)
     plan = optimizer._batch_plan()

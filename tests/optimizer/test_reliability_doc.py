@@ -17,8 +17,8 @@ import ast
 import os
 
 import pytest
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def rows():
@@ -153,11 +153,11 @@ def test_every_rejected_input_row_names_a_test_expecting_its_error_and_message()
 def test_the_check_accepts_only_what_the_named_function_expects():
     """Negative controls on the suite's own tests: another test's message, the
     wrong error class and a missing function are not accepted."""
-    combine = expected_refusals("tests/test_validation.py", "test_config_and_fields_combine")
+    combine = expected_refusals("tests/optimizer/test_validation.py", "test_config_and_fields_combine")
     assert ("TypeError", "SwapOptimizerConfig") in combine
     assert not any("swap_times must be" in match for _, match in combine)  # test_bad_config_values' message
-    layout = expected_refusals("tests/test_layout_errors.py", "test_bad_call_is_refused_before_any_write")
+    layout = expected_refusals("tests/kernels/test_layout_errors.py", "test_bad_call_is_refused_before_any_write")
     assert ("TypeError", "grads must have the param's dtype") in layout
     assert ("ValueError", "grads must have the param's dtype") not in layout
     with pytest.raises(AssertionError, match="has no function test_no_such_test"):
-        expected_refusals("tests/test_validation.py", "test_no_such_test")
+        expected_refusals("tests/optimizer/test_validation.py", "test_no_such_test")

@@ -184,7 +184,7 @@ def make_optimizer(model, overlap, delay_us=300, own_batches=False):
     swap_times = len(list(model.parameters())) if own_batches else 6
     # The packed kernel: the negative controls (a wait knocked out must change
     # the results) are timed on its updates' lag; torch's update runs the same
-    # protocol (tests/test_overlap_rules.py, and overlapped_pair below).
+    # protocol (tests/overlap/test_overlap_rules.py, and overlapped_pair below).
     optimizer = so.SwapOptimizer(inner, swap_times=swap_times, num_arenas=3, min_numel=0, **extra, **PACKED_KERNEL)
     if own_batches:
         assert all(len(batch["params"]) == 1 for batch in optimizer._batch_plan())

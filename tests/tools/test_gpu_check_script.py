@@ -33,8 +33,9 @@ import pytest
 
 import swap_optimizer
 from swap_optimizer.bench.__main__ import check_arguments, parser
+import conftest
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(conftest.ROOT)
 SCRIPT_PATH = ROOT / "scripts" / "gpu_check.sh"
 SCRIPT = SCRIPT_PATH.read_text()
 # The order the stages prove things in: the build and the devices, the main
@@ -96,7 +97,7 @@ def test_every_python_run_imports_the_installed_build():
 def test_it_requires_the_cuda_kernels_and_reports_what_it_ran_on(tmp_path):
     assert "export SWAP_OPTIMIZER_REQUIRE_CUDA_BUILD=1" in SCRIPT and "TORCH_CUDA_ARCH_LIST:-9.0" in SCRIPT
     devices = next(command for name, _, command in stage_lines() if name == "devices")
-    assert "tests/test_devices.py" in devices and "test_cuda_kernels_compiled_when_torch_is_a_cuda_build" in devices
+    assert "tests/runtime/test_devices.py" in devices and "test_cuda_kernels_compiled_when_torch_is_a_cuda_build" in devices
     source = embedded_python("import_check")
     assert 'assert so.built_with_cuda()' in source and 'assert torch.cuda.is_available()' in source
     result = run_python(source, "cpu", cwd=tmp_path)
@@ -145,7 +146,7 @@ def test_the_parity_set_covers_each_family_and_mode_and_its_ids_exist(tmp_path):
                    "test_trusted_optimizers.py", "bf16 moments", "8-bit moments", "Kahan", "masters",
                    "test_overlap.py", "test_overlap_rules.py", "test_split_params.py", "test_device_budget.py",
                    "test_cuda_max_memory_allocated", "grad_scaler_in_step", "[True-cuda]",  # unscale_in_step
-                   "tests/test_deferred_lifetime.py"]:
+                   "tests/runtime/test_deferred_lifetime.py"]:
         assert wanted in joined, f"no parity case for {wanted}"
     assert all("random_delays" not in test for test in parity)
     assert sum("test_random_delays_change_nothing" in test for test in delays) == 6
@@ -162,7 +163,7 @@ def test_the_parity_set_covers_each_family_and_mode_and_its_ids_exist(tmp_path):
     for test in parity + delays:  # a test, all of a parametrized function's variants, or a file
         assert test in names or any(n.startswith(test + "[") for n in names) or test.endswith(".py"), \
             f"{test} is not collected"
-    lifetime = [n for n in names if n.startswith("tests/test_deferred_lifetime.py::")]
+    lifetime = [n for n in names if n.startswith("tests/runtime/test_deferred_lifetime.py::")]
     assert lifetime and all("cuda" in n for n in lifetime)
 
 
@@ -347,7 +348,7 @@ def test_the_recorder_reads_pytest_counts_failures_and_a_timeout(tmp_path):
     entry = record.stages()["parity-delays"]
     assert entry["result"] == "timed out after 30 s"
     assert entry["tests"] == dict(passed=2, failed=1, skipped=1, partial=True)
-    passed = record.stage("devices", 0, output="tests/test_devices.py::test_a PASSED\n==== 11 passed in 4.0s ====")
+    passed = record.stage("devices", 0, output="tests/runtime/test_devices.py::test_a PASSED\n==== 11 passed in 4.0s ====")
     assert passed.returncode == 0 and record.stages()["devices"]["tests"] == dict(passed=11)
 
 

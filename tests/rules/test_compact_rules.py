@@ -11,7 +11,7 @@ bitwise agreement across swap_times and cuts and with overlap_forward, the
 never-0 and round-up rules, the bytes moved, the scratch in the budget's
 estimate, state dicts (stored form, dequantized, plain torch ones loaded),
 16-bit params, and what is refused. The 1,000-step parity runs are in
-tests/test_compact_rules_parity.py (slow tier).
+tests/rules/test_compact_rules_parity.py (slow tier).
 """
 
 import copy

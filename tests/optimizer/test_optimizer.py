@@ -3,7 +3,7 @@
 Tolerances, fp32, 50 training steps, against the plain wrapped optimizer
 (torch's single-tensor path on CPU, its default on CUDA): params, states and
 losses within rtol 1e-5, atol 1e-6. Per step the fused op agrees with torch to
-rtol 1e-5 / atol 1e-7 (tests/test_fused_adam_op.py); training feeds those
+rtol 1e-5 / atol 1e-7 (tests/kernels/test_fused_adam_op.py); training feeds those
 differences back through the loss, hence the looser atol.
 Across swap_times and num_arenas the results are bitwise identical.
 """

@@ -1,7 +1,7 @@
 """overlap_forward=True with optimizers other than Adam/AdamW: torch's own
 update (a Python rule; on the host backend the update thread runs it under the
 GIL while the main thread runs the next forward) is bitwise the run without
-overlap, over the same loops as tests/test_overlap.py, with random copy and
+overlap, over the same loops as tests/overlap/test_overlap.py, with random copy and
 compute delays so that a missed wait would change bits."""
 
 import pytest

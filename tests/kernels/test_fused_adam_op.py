@@ -21,7 +21,7 @@ import torch
 from torch.testing import assert_close
 
 import swap_optimizer as so
-from conftest import DEVICES, requires_cuda
+from conftest import DEVICES, TESTS, requires_cuda
 from packed_reference import AdamFlags, PackedBatches, random_grads, random_params
 
 STEPS = 20
@@ -233,8 +233,8 @@ def digest_of_cpu_loops():
 def test_cpu_instruction_sets_agree_bitwise():
     """The AVX-512, AVX2 and baseline builds of the CPU loops, plain and
     compact, give the same bits (AVX-512 where the CPU has it)."""
-    tests = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path.insert(0, {tests!r}); import test_fused_adam_op; "
+    folders = [TESTS, os.path.dirname(os.path.abspath(__file__))]
+    code = (f"import sys; sys.path[:0] = {folders!r}; import test_fused_adam_op; "
             f"test_fused_adam_op.{digest_of_cpu_loops.__name__}()")
     digests = {}
     for capability in ["default", "avx2", "avx512"]:

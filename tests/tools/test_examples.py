@@ -15,8 +15,9 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLES = os.path.join(ROOT, "examples")
 
 
 def needs(*modules):

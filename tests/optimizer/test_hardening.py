@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import swap_optimizer as so
-from conftest import DEVICES, PACKED_KERNEL, requires_cuda
+from conftest import DEVICES, PACKED_KERNEL, TESTS, requires_cuda
 from swap_training import build_model, params_of, plain_optimizer, round_trip, state_tensors, swap_optimizer, train
 
 TRAIN_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -475,7 +475,8 @@ def test_a_signal_handler_saves_a_consistent_checkpoint_during_a_step(stop):
     import os
     import subprocess
     import sys
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+    folders = [TESTS, os.path.dirname(os.path.abspath(__file__))]
+    code = (f"import sys; sys.path[:0] = {folders!r}; "
             f"import test_hardening; test_hardening.{checkpoint_from_a_signal_handler.__name__}({stop})")
     # -P: the installed package, not a checkout's source folder in the current directory.
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
