@@ -29,6 +29,8 @@ from torch.testing import assert_close
 from swap_optimizer import SwapOptimizer, dequantize_state_dict
 from swap_optimizer.compact import dequantize
 
+from optimizer_cases import Lion
+
 WORLD = 2
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -286,31 +288,24 @@ def case_fsdp2_other_optimizers(rank, device, work_dir):
             SwapOptimizer(optimizer)
 
 
-class Lion(torch.optim.Optimizer):
-    """Lion written by hand, elementwise (as tests/rules/test_trusted_optimizers.py's),
-    with a count of its updates kept as a number: SwapOptimizer has no
-    declaration for it, so it is wrapped on trust_per_param_step."""
+class CountingLion(Lion):
+    """The case table's Lion (optimizer_cases.py) that also counts each param's
+    updates in a number state: SwapOptimizer has no declaration for it, so it
+    is wrapped on trust_per_param_step."""
 
     def __init__(self, params, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
 
     @torch.no_grad()
     def step(self, closure=None):
+        super().step(closure)
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"], state["updates"] = torch.zeros_like(p), 0
-                state["updates"] += 1
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(state["exp_avg"].mul(beta1).add_(p.grad, alpha=1 - beta1).sign_(), alpha=-group["lr"])
-                state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
+                if p.grad is not None:
+                    self.state[p]["updates"] = self.state[p].get("updates", 0) + 1
 
 
-class RowScaledLion(Lion):
+class RowScaledLion(CountingLion):
     """Lion that also keeps a per-row state: shaped neither like a param nor like its shard."""
 
     @torch.no_grad()
@@ -333,9 +328,9 @@ def case_fsdp2_vouched_for(rank, device, work_dir):
     like the param nor like its shard is refused at the first step, nothing
     changed."""
     model, reference = shard(build_wide(device)), shard(build_wide(device))
-    ours = SwapOptimizer(Lion(model.parameters()), swap_times=8, min_numel=64, trust_per_param_step=True,
+    ours = SwapOptimizer(CountingLion(model.parameters()), swap_times=8, min_numel=64, trust_per_param_step=True,
                          trust_elementwise_step=True)
-    plain = Lion(reference.parameters())
+    plain = CountingLion(reference.parameters())
     train(model, ours, 4, 0, device, rank)
     train(reference, plain, 4, 0, device, rank)
     assert ours.memory_stats()["split_params"] >= 1 and ours.memory_stats()["swapped_state_keys"] == ["exp_avg"]
@@ -346,14 +341,15 @@ def case_fsdp2_vouched_for(rank, device, work_dir):
         assert isinstance(mine["exp_avg"], DTensor) and mine["exp_avg"].placements == p.placements
         assert torch.equal(mine["exp_avg"].to_local().to(device), theirs["exp_avg"].to_local())
     save_checkpoint(model, ours, work_dir)
-    resumed, resumed_optimizer = assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir, Lion,
-                                                        trust_per_param_step=True, trust_elementwise_step=True)
+    resumed, resumed_optimizer = assert_resumes_bitwise(model, ours, build_wide, 3, device, rank, work_dir,
+                                                        CountingLion, trust_per_param_step=True,
+                                                        trust_elementwise_step=True)
     for p, q in zip(resumed.parameters(), model.parameters()):
         assert torch.equal(resumed_optimizer.state[p]["exp_avg"].to_local(), ours.state[q]["exp_avg"].to_local())
     sharded = shard(build(device))
     with pytest.raises(ValueError, match="with DTensor params \\(FSDP2\\): SwapOptimizer updates each rank's local "
                                          "shard, which is the whole update only if"):
-        SwapOptimizer(Lion(sharded.parameters()), trust_per_param_step=True)
+        SwapOptimizer(CountingLion(sharded.parameters()), trust_per_param_step=True)
     rows = SwapOptimizer(RowScaledLion(sharded.parameters()), min_numel=64, trust_per_param_step=True,
                          trust_elementwise_step=True)
     before = [local(p.detach()).clone() for p in sharded.parameters()]
