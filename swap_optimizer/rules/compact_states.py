@@ -32,9 +32,9 @@ BF16, EIGHT_BIT = "bf16", "8bit"
 CODES, ABSMAX = "_codes", "_absmax"
 # Kinds of state that must not decode to 0 where the stored value is not 0
 # (a denominator, a running maximum), and the value an fp16 scratch gets there.
-NEVER_ZERO = ("denominator", "running_max", "decaying_max")
+NEVER_ZERO = ("denominator", "running_max", "decaying_max", "raw_denominator")
 # Kinds kept in bf16 (stochastic) under 8-bit too (see StateSpec.code).
-BF16_UNDER_8BIT = ("decaying_max",)
+BF16_UNDER_8BIT = ("decaying_max", "raw_denominator")
 FP16_SMALLEST = 2.0 ** -24
 
 

@@ -34,6 +34,7 @@ ELEMENT, WHOLE, SCALAR = "element", "whole", "scalar"
 # and rounding of its 8-bit codes (bf16 ones round stochastically, whatever
 # the kind).
 SIGNED, DENOMINATOR, RUNNING_MAX, DECAYING_MAX = "signed", "denominator", "running_max", "decaying_max"
+RAW_DENOMINATOR = "raw_denominator"
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,11 @@ class StateSpec:
     # max(beta * state, |grad|), kept in bf16 under 8-bit too: rounded up or
     # to nearest, a decay smaller than half an 8-bit code's spacing would
     # leave the code where it is forever, where bf16's stochastic rounding
-    # keeps the decay in expectation), or None: the state stays exact (Rprop's
-    # prev and step sizes, a state not worth compacting).
+    # keeps the decay in expectation; RAW_DENOMINATOR: a denominator that
+    # divides the raw grad, with no momentum between it and the step, also
+    # kept in bf16 under 8-bit: an 8-bit code's error scales that element's
+    # every step), or None: the state stays exact (Rprop's prev and step
+    # sizes, a state not worth compacting).
     code: Optional[str] = None
 
 
@@ -188,9 +192,11 @@ def _rmsprop_states(param, group):
     # Centered, the denominator is sqrt(square_avg - grad_avg**2), a difference
     # of two states that is a small fraction of either where the grads agree:
     # their rounding errors would make it negative (a NaN update), so both stay
-    # exact; momentum_buffer is compact either way.
+    # exact; momentum_buffer is compact either way. square_avg divides the raw
+    # grad (RAW_DENOMINATOR): in 8-bit codes the 1,000-step parity ended 3.9%
+    # above the exact loss, in bf16 0.1% (momentum_buffer's 8-bit: no change).
     centered = group["centered"]
-    states = _scalars("step") + [StateSpec("square_avg", ELEMENT, code=None if centered else DENOMINATOR)]
+    states = _scalars("step") + [StateSpec("square_avg", ELEMENT, code=None if centered else RAW_DENOMINATOR)]
     if group["momentum"] > 0:
         states += _compact(momentum_buffer=SIGNED)
     if centered:

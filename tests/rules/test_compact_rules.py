@@ -42,7 +42,7 @@ OPTIMIZERS = {
 # The compact kind of each element state (StateSpec.code), as docs/usage.md lists them.
 KINDS = {
     "SGD": {"momentum_buffer": "signed"},
-    "RMSprop": {"square_avg": "denominator", "momentum_buffer": "signed"},
+    "RMSprop": {"square_avg": "raw_denominator", "momentum_buffer": "signed"},
     # centered: sqrt(square_avg - grad_avg**2) would go negative with rounded states; both stay exact
     "RMSprop-centered": {"momentum_buffer": "signed"},
     "Adagrad": {"sum": "denominator"},
@@ -56,7 +56,7 @@ KINDS["SGD-nesterov-foreach"] = KINDS["SGD"]
 for _name in ("SGD", "RMSprop", "NAdam", "Adagrad"):
     KINDS[_name + "-16"] = KINDS[_name]
 # Kinds stored in bf16 under 8-bit too (a maximum that decays: 8-bit codes would freeze it).
-BF16_UNDER_8BIT = {"decaying_max"}
+BF16_UNDER_8BIT = {"decaying_max", "raw_denominator"}
 # Optimizers whose states all stay exact under compact states.
 EXACT = {"Rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-3)}
 # For 16-bit params: an eps fp16 holds (torch's 1e-8 is 0 there, and a state
@@ -282,17 +282,20 @@ def test_a_decaying_maximum_keeps_decaying_under_8_bit():
     assert_close(decayed.mean().item(), 1.0, rtol=0, atol=0.01)
 
 
-@pytest.mark.parametrize("state_dtype, per_state", [("bf16", 2.0), ("8bit", 1 + 4 / 256)])
-@pytest.mark.parametrize("name", ["SGD", "RMSprop", "Adadelta", "NAdam"])
-def test_bytes_moved_per_param(name, state_dtype, per_state):
-    """Each way: 2 bytes (bf16) or 1 + 4/256 (8-bit codes and scales) per
-    element per compact state, against 4 per state exact."""
+@pytest.mark.parametrize("state_dtype", sorted(STATE_DTYPES))
+@pytest.mark.parametrize("name", ["SGD", "RMSprop", "Adadelta", "NAdam", "Adamax"])
+def test_bytes_moved_per_param(name, state_dtype):
+    """Each way: 2 bytes per element per compact state in bf16 (under 8-bit
+    too for the kinds kept in bf16: RMSprop's square_avg, Adamax's exp_inf),
+    1 + 4/256 in 8-bit codes and scales, against 4 per state exact."""
     shapes = [(512, 400)]
     _, optimizer = run(name, STATE_DTYPES[state_dtype], steps=1, shapes=shapes)
     stats = optimizer.memory_stats()
     numel = 512 * 400
     compact = len(KINDS[name])
-    assert compact * per_state <= stats["h2d_bytes"] / numel <= compact * per_state + 0.01, stats["h2d_bytes"]
+    expected = sum(2.0 if state_dtype == "bf16" or kind in BF16_UNDER_8BIT else 1 + 4 / 256
+                   for kind in KINDS[name].values())
+    assert expected <= stats["h2d_bytes"] / numel <= expected + 0.01, stats["h2d_bytes"]
     assert stats["d2h_bytes"] == stats["h2d_bytes"]
     _, exact = run(name, None, steps=1, shapes=shapes)
     assert exact.memory_stats()["h2d_bytes"] / numel >= 4 * compact
