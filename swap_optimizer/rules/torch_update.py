@@ -1038,12 +1038,14 @@ class TorchUpdateRule:
             kept, rest = {}, {}
             for key, value in entry.items():
                 if key.endswith(CODES) or key.endswith(ABSMAX) or key in (ROUNDING_STEP, COMPENSATION) or \
-                        (torch.is_tensor(value) and key != "step" and (
-                            (getattr(self, "_compact", None) == BF16 and value.dtype == torch.bfloat16)
-                            or (getattr(self, "_kahan", False) and value.dtype == torch.float32))):
+                        (getattr(self, "_compact", None) == BF16 and torch.is_tensor(value)
+                         and value.dtype == torch.bfloat16 and key != "step"):
                     kept[key] = value
                 else:
                     rest[key] = value
+                    if getattr(self, "_kahan", False) and torch.is_tensor(value) and \
+                            value.dtype == torch.float32 and key != "step":
+                        kept[key] = value  # (torch's load sees it too: NAdam's checks its mu_product)
             plain[pid] = rest
             if kept:
                 aside[pid] = (kept, maps.get(pid, {}))
