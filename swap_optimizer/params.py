@@ -87,9 +87,9 @@ def check_overlap_params(params: list[torch.Tensor]) -> None:
 def param_versions(params: list[torch.Tensor], indices) -> dict[int, int]:
     """The version counter of each param in `indices` (a DTensor's local
     shard): a write outside step() (in place, model.load_state_dict) bumps
-    it, while a rule's own writes of a param with a master copy or a Kahan
-    buffer go through `.data` (the packed kernel in C++, torch's update with
-    Kahan through compact_states.kahan_round) and bump nothing."""
+    it, while a rule's own writes bump nothing (the runtime hands the update
+    its own handles of the params' memory; compact_states.kahan_round writes
+    through `.data` besides)."""
     return {i: _local(params[i])._version for i in indices}
 
 
