@@ -129,7 +129,8 @@ def _refuse_settings(config: SwapOptimizerConfig, name: str, declaration: Declar
                          f"(trust_per_param_step, {name}) is not supported: its update would run on a float32 "
                          "copy of each 16-bit param with its states in float32, and an optimizer whose states are "
                          "learned at the first update is not known to keep them in its param's dtype. Leave "
-                         "kahan_summation at False (see 'Kahan summation with the other optimizers' in docs/usage.md)")
+                         "kahan_summation at False (see 'Kahan summation with the other optimizers' in "
+                         "docs/usage.md)")
     if config.kahan_summation and not declaration.elementwise:
         raise ValueError(f"SwapOptimizer: kahan_summation=True works with elementwise optimizers (SGD, RMSprop, "
                          f"...), not with {name}: its update reads each param whole (Adafactor's factored "
