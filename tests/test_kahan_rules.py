@@ -12,7 +12,6 @@ for, the bytes moved, state dicts, a param written outside step(), and what
 is refused. Bitwise comparisons are assert_close with rtol=atol=0.
 """
 
-import copy
 import warnings
 
 import pytest
