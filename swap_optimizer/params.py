@@ -82,3 +82,17 @@ def check_overlap_params(params: list[torch.Tensor]) -> None:
         raise ValueError(f"SwapOptimizer: overlap_forward=True does not support DTensor params yet (FSDP2 and tensor "
                          f"parallel; param(s) {dtensors}): FSDP2 gathers params in its own hooks, which would read "
                          "them before their update. Use overlap_forward=False with DTensor params")
+
+
+def param_versions(params: list[torch.Tensor], indices) -> dict[int, int]:
+    """The version counter of each param in `indices` (a DTensor's local
+    shard): a write outside step() (in place, model.load_state_dict) bumps
+    it, while a rule's own writes bump nothing (the runtime hands the update
+    its own handles of the params' memory; compact_states.kahan_round writes
+    through `.data` besides)."""
+    return {i: _local(params[i])._version for i in indices}
+
+
+def written_since(params: list[torch.Tensor], versions: dict[int, int]) -> list[int]:
+    """The params of `versions` (param_versions) written outside step() since."""
+    return [i for i, version in versions.items() if _local(params[i])._version != version]

@@ -70,6 +70,9 @@ class OptimizerCase:
         its states move fewer bytes; "exact", accepted with a warning that its
         states are not worth quantizing and stay exact (Rprop); False, refused
         with the reason (not elementwise; vouched-for).
+    kahan: kahan_summation=True accepted for 16-bit params (a compensation
+        each; torch's update on a float32 stand-in, or Adam's packed kernel),
+        else refused with the reason (not elementwise; vouched-for).
     split: a large param may be cut into pieces across batches (else it moves
         whole at any swap_times).
     overlap: overlap_forward=True accepted and bitwise the run without it.
@@ -91,6 +94,7 @@ class OptimizerCase:
     dtypes: tuple = ("fp32", "bf16")
     bitwise: bool = True
     compact: Union[bool, str] = False
+    kahan: bool = True
     split: bool = True
     overlap: bool = True
     overlap_deferred: bool = True
@@ -170,11 +174,11 @@ CASES = [
     OptimizerCase("Adafactor", torch.optim.Adafactor, {
         "default": dict(lr=1e-2),
         "wd-beta2-decay": dict(lr=1e-2, weight_decay=0.01, beta2_decay=-0.5),
-    }, split=False, fsdp2=False),
+    }, split=False, fsdp2=False, kahan=False),
     OptimizerCase("Muon", torch.optim.Muon, {
         "default": dict(lr=1e-2),
         "no-nesterov-wd": dict(lr=1e-2, nesterov=False, weight_decay=0.01),
-    }, foreach=False, flags=False, split=False, fsdp2=False, only_2d=True),
+    }, foreach=False, flags=False, split=False, fsdp2=False, only_2d=True, kahan=False),
     OptimizerCase("Lion", Lion, {
         "default": dict(lr=1e-3),
         "wd-betas": dict(lr=1e-3, weight_decay=0.5, betas=(0.8, 0.9)),
@@ -182,7 +186,7 @@ CASES = [
         # bf16: the first step's check of trust_elementwise_step finds Lion's
         # update of a bf16 param cut in two unlike the whole one on the CPU,
         # and refuses (the declared optimizers never cut 16-bit params there).
-        dtypes=("fp32",), vouched_for=True),
+        dtypes=("fp32",), vouched_for=True, kahan=False),
 ]
 BY_NAME = {case.name: case for case in CASES}
 

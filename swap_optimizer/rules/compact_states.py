@@ -17,6 +17,7 @@ torch's update path'.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -42,13 +43,15 @@ def compact_of(state_dtype: Optional[torch.dtype]) -> Optional[str]:
     return {torch.bfloat16: BF16, torch.uint8: EIGHT_BIT}.get(state_dtype)
 
 
-def form_for(compact: Optional[str], code: Optional[str], param: torch.Tensor) -> Optional[str]:
+def form_for(compact: Optional[str], code: Optional[str], param: torch.Tensor,
+             dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """The form one element state of `param` (the whole param: a DTensor's
     global numel) is stored in: None (exact) where the state has no compact
     kind, under 8-bit where the param has fewer than MIN_QUANTIZED_NUMEL
-    elements (as Adam's), and under bf16 where the param is bf16 itself
-    (torch's state is bf16 already). Under 8-bit, a kind of BF16_UNDER_8BIT
-    is stored as under bf16."""
+    elements (as Adam's), and under bf16 where torch keeps the state in bf16
+    itself (`dtype`, the dtype torch's update runs the param in: its own, or
+    float32 for a 16-bit one with Kahan, see update_dtype). Under 8-bit, a
+    kind of BF16_UNDER_8BIT is stored as under bf16."""
     if compact is None or code is None:
         return None
     if compact == EIGHT_BIT:
@@ -56,7 +59,7 @@ def form_for(compact: Optional[str], code: Optional[str], param: torch.Tensor) -
             return None
         if code not in BF16_UNDER_8BIT:
             return EIGHT_BIT
-    return None if param.dtype == torch.bfloat16 else BF16
+    return None if (dtype or param.dtype) == torch.bfloat16 else BF16
 
 
 def store_keys(name: str, form: Optional[str], param_dtype: torch.dtype,
@@ -70,22 +73,73 @@ def store_keys(name: str, form: Optional[str], param_dtype: torch.dtype,
 
 
 def scratch_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype torch keeps an element state in (and the scratch holds): its
-    param's. (torch's fused and foreach paths need the param's dtype; its
-    for-loop would run mixed precision silently.)"""
+    """The dtype torch keeps an element state in (and the scratch holds): that
+    of the param torch's update runs on (`param_dtype`: update_dtype's, so
+    float32 for a 16-bit param with Kahan). (torch's fused and foreach paths
+    need the param's dtype; its for-loop would run mixed precision silently.)"""
     return param_dtype
 
 
-def scratch_bytes_per_element(forms: list[Optional[str]], param_dtype: torch.dtype) -> int:
+def scratch_bytes_per_element(forms: list[Optional[str]], param_dtype: torch.dtype, kahan: bool = False) -> int:
     """Device bytes the scratch of one element of a param takes beyond its
     staged states: one scratch element per compact state, plus a float32
-    copy of each bf16 one for the rounding when the param is 16-bit."""
+    copy of each bf16 one for the rounding when the param is 16-bit
+    (`param_dtype`: the dtype torch's update runs it in), plus with Kahan the
+    float32 stand-in param and grad (KAHAN_SCRATCH_BYTES)."""
     size = torch.empty((), dtype=param_dtype).element_size()
-    total = 0
+    total = KAHAN_SCRATCH_BYTES if kahan else 0
     for form in forms:
         if form is not None:
             total += size + (4 if form == BF16 and size != 4 else 0)
     return total
+
+
+# Kahan summation on torch's update path (kahan_summation=True). A 16-bit
+# param keeps its compensation, what rounding it lost, as an element state
+# COMPENSATION in its dtype; torch's update runs on a float32 stand-in
+# (param + compensation) with a float32 grad and float32 states, and the
+# result is split back into the rounded param and the new remainder.
+COMPENSATION = "compensation"
+KAHAN_SCRATCH_BYTES = 8  # per element: the float32 stand-in param and grad
+
+
+def kahan_applies(param: torch.Tensor, kahan_summation: bool) -> bool:
+    """Whether `param` keeps a Kahan compensation: 16-bit params only."""
+    return kahan_summation and param.element_size() == 2
+
+
+def warn_if_no_16_bit(params: list, kahan_summation: bool) -> None:
+    """kahan_summation=True on params none of which is 16-bit does nothing: a
+    warning (from a rule's check_wrap, called by SwapOptimizer.__init__)."""
+    if kahan_summation and not any(p.dtype != torch.float32 for p in params):
+        warnings.warn("SwapOptimizer: kahan_summation=True applies to 16-bit params, and this optimizer has "
+                      "none; it does nothing here", UserWarning, stacklevel=5)
+
+
+def update_dtype(param: torch.Tensor, kahan_summation: bool) -> torch.dtype:
+    """The dtype torch's update runs `param` in: float32 for a 16-bit param
+    with Kahan (the stand-in), else its own."""
+    return torch.float32 if kahan_applies(param, kahan_summation) else param.dtype
+
+
+def kahan_stand_in(piece: torch.Tensor, grad: torch.Tensor, compensation: Optional[torch.Tensor]) -> torch.Tensor:
+    """The float32 param torch's update runs on for a 16-bit `piece`: the
+    piece plus its compensation (None: a first step, 0), its grad float32."""
+    with torch.no_grad():
+        stand_in = piece.float() if compensation is None else piece.float() + compensation.float()
+    stand_in.grad = grad.float()
+    return stand_in
+
+
+def kahan_round(stand_in: torch.Tensor, piece: torch.Tensor, compensation: torch.Tensor) -> None:
+    """After torch's update: the piece becomes the stand-in rounded to nearest
+    in its dtype and the compensation what that rounding lost, both written
+    through `.data` (the write bumps no version counter: a bump is a write
+    outside step(), which zeroes the compensation)."""
+    with torch.no_grad():
+        rounded = stand_in.to(piece.dtype)
+        compensation.data.copy_((stand_in - rounded.float()).to(compensation.dtype))
+        piece.data.copy_(rounded)
 
 
 def blocks(count: int) -> int:

@@ -19,8 +19,9 @@ from ..compact import FORMAT_KEY, MIN_QUANTIZED_NUMEL, MOMENTS, code_map, state_
 from ..config import SwapOptimizerConfig
 from ..distributed import (_check_fsdp_8bit, _global_offset, _is_dtensor, _like_param, _local,
                            _shared_default_seed, _sharded_scales)
-from ..params import check_distinct, check_overlap_params, check_params
+from ..params import check_distinct, check_overlap_params, check_params, param_versions, written_since
 from ..state_dicts import checked_adam_state, write_adam_states
+from .compact_states import warn_if_no_16_bit
 from .declarations import Declaration
 
 # Flags that choose how torch runs the update, not what it computes: loading a
@@ -63,10 +64,7 @@ class PackedKernelRule:
         config.check_adam_state_keys()
         for index, group in enumerate(self.optimizer.param_groups):
             _check_group_flags(group, index)
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if config.kahan_summation and not any(p.dtype != torch.float32 for p in params):
-            warnings.warn("SwapOptimizer: kahan_summation=True applies to 16-bit params, and this optimizer has "
-                          "none; it does nothing here", UserWarning, stacklevel=4)
+        warn_if_no_16_bit([p for g in self.optimizer.param_groups for p in g["params"]], config.kahan_summation)
 
     def check_params(self, params: list) -> None:
         """DTensor params are this rank's shards (8-bit ones: checked at lay-out)."""
@@ -220,8 +218,8 @@ class PackedKernelRule:
     def _note_param_versions(self, opt) -> None:
         """Remembers the version counter of each param that has a master copy or
         a Kahan buffer."""
-        self._param_versions = {i: _local(p)._version for i, p in enumerate(opt._params())
-                                if "master_param" in self._views[i] or "compensation" in self._views[i]}
+        self._param_versions = param_versions(opt._params(), [
+            i for i, view in enumerate(self._views) if "master_param" in view or "compensation" in view])
 
     def _sync_outside_changes(self, opt, params: list[torch.Tensor]) -> None:
         """Brings the store up to date with what changed outside step(): a master
@@ -240,8 +238,7 @@ class PackedKernelRule:
             group_of_param = group_of_param or opt._group_of_param()
             amsgrad = bool(opt.param_groups[group_of_param[i]]["amsgrad"])
             edits[i] = checked_adam_state(p, entry, amsgrad, f"SwapOptimizer.state[param {i}]") if entry else {}
-        followed = [i for i, version in self._param_versions.items()
-                    if _local(params[i])._version != version and i not in edits]
+        followed = [i for i in written_since(params, self._param_versions) if i not in edits]
         if edits or followed:
             # The host store is written: the last step's copies out must have landed (on CUDA they may not).
             opt._runtime.synchronize()

@@ -21,11 +21,12 @@ from ..compact import FORMAT_KEY, dequantize, dequantize_state_dict, named_map, 
 from ..config import SwapOptimizerConfig
 from ..distributed import (_check_fsdp_8bit, _global_offset, _is_dtensor, _like_param, _local, _local_part,
                            _shared_default_seed)
-from ..params import check_distinct, check_overlap_params, check_params
+from ..params import check_distinct, check_overlap_params, check_params, param_versions, written_since
 from ..state_dicts import check_readable
 from ..step_guards import signals_after_the_step
-from .compact_states import (ABSMAX, BF16, CODES, EIGHT_BIT, ROUNDING_STEP, BatchCodec, blocks, compact_of,
-                             encode_exact, form_for, scratch_bytes_per_element, store_keys)
+from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, EIGHT_BIT, ROUNDING_STEP, BatchCodec, blocks,
+                             compact_of, encode_exact, form_for, kahan_applies, kahan_round, kahan_stand_in,
+                             scratch_bytes_per_element, store_keys, update_dtype, warn_if_no_16_bit)
 from .declarations import (DECLARATIONS, ELEMENT, SCALAR, WHOLE, Declaration, estimated_temporaries)
 
 
@@ -123,14 +124,27 @@ def _refuse_settings(config: SwapOptimizerConfig, name: str, declaration: Declar
                          f"SGD, RMSprop, ...), not with {name}: its states (Adafactor's factored rows and columns, "
                          "Muon's momentum under Newton-Schulz) are read whole and are not worth quantizing; leave "
                          "state_dtype at None")
+    if config.kahan_summation and learning:
+        raise ValueError(f"SwapOptimizer: kahan_summation=True with an optimizer wrapped on your word "
+                         f"(trust_per_param_step, {name}) is not supported: its update would run on a float32 "
+                         "copy of each 16-bit param with its states in float32, and an optimizer whose states are "
+                         "learned at the first update is not known to keep them in its param's dtype. Leave "
+                         "kahan_summation at False (see 'Kahan summation with the other optimizers' in "
+                         "docs/usage.md)")
+    if config.kahan_summation and not declaration.elementwise:
+        raise ValueError(f"SwapOptimizer: kahan_summation=True works with elementwise optimizers (SGD, RMSprop, "
+                         f"...), not with {name}: its update reads each param whole (Adafactor's factored "
+                         "statistics, Muon's Newton-Schulz in bf16), so it does not run exactly on a float32 "
+                         "stand-in piece by piece; leave kahan_summation at False")
     adam_only = [field for field, off in (("state_dtype", config.state_dtype is None or compact),
-                                          ("master_weights", not config.master_weights),
-                                          ("kahan_summation", not config.kahan_summation)) if not off]
+                                          ("master_weights", not config.master_weights)) if not off]
     if adam_only:
         raise ValueError(f"SwapOptimizer: {', '.join(adam_only)} work(s) with Adam/AdamW only for now, not with "
                          f"{name}; leave them at their defaults (GradScaler still works through its unscale_)"
                          + ("; state_dtype=torch.bfloat16 and torch.uint8 work with every elementwise optimizer"
-                            if config.state_dtype == torch.float32 else ""))
+                            if config.state_dtype == torch.float32 else "")
+                         + ("; kahan_summation=True keeps what rounding 16-bit params loses with every "
+                            "elementwise optimizer" if config.master_weights else ""))
 
 
 def _check_groups(optimizer: torch.optim.Optimizer, declaration: Declaration) -> None:
@@ -307,7 +321,6 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
         else:  # only contiguous params are cut
             piece = param.detach().view(-1)[offset:offset + count]
             piece_grad = grad.reshape(-1)[offset:offset + count]
-        piece.grad = piece_grad
         views = {}
         for key, arena_offset in zip(step.keys, offsets):
             if arena_offset < 0:
@@ -320,6 +333,14 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
             numel = math.prod(shape)
             nbytes = numel * described.element_size()
             views[key] = arena[arena_offset:arena_offset + nbytes].view(described.dtype).view(shape)
+        # With Kahan (a 16-bit param), torch's update runs on a float32 stand-in
+        # (piece + compensation) and its float32 states; kahan_round splits it back.
+        kahan = any(spec.name == COMPENSATION for spec in step.layouts[index])
+        if kahan:
+            updated = kahan_stand_in(piece, piece_grad, views[COMPENSATION] if step.had_state[index] else None)
+        else:
+            updated = piece
+            piece.grad = piece_grad
         entry = {}
         if step.had_state[index]:
             for kept in step.layouts[index]:
@@ -327,16 +348,16 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
                     if kept.name != ROUNDING_STEP:
                         value = step.scalars_before[index][kept.name]
                         entry[kept.name] = value.clone() if torch.is_tensor(value) else value
-                elif kept.form is None:
-                    entry[kept.name] = views[kept.name]
-                else:  # decoded below, one call per batch
+                elif kept.form is not None:  # decoded below, one call per batch
                     if codec is None:
                         codec = BatchCodec(arena.device, step.rounding_seed)
-                    entry[kept.name] = codec.scratch(kept.form, kept.code, views, kept.name, piece.shape,
-                                                     piece.dtype)
-        groups.setdefault(step.group_of[index], []).append(piece)
-        state[piece] = entry
-        rows.append((index, offset, offset + count == param.numel(), piece, views))
+                    entry[kept.name] = codec.scratch(kept.form, kept.code, views, kept.name, updated.shape,
+                                                     updated.dtype)
+                elif kept.name != COMPENSATION:
+                    entry[kept.name] = views[kept.name]
+        groups.setdefault(step.group_of[index], []).append(updated)
+        state[updated] = entry
+        rows.append((index, offset, offset + count == param.numel(), updated, views, piece if kahan else None))
     if not rows:
         return
     if codec is not None:
@@ -353,9 +374,9 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
                          grad_scale=step.grad_scale)
     name = type(step.optimizer).__name__
     source = "it kept at its first update" if writes is not None else "its declaration says it keeps"
-    for index, offset, last, piece, views in rows:
+    for index, offset, last, piece, views, kahan_piece in rows:
         entry = state[piece]
-        kept = {spec.name for spec in step.layouts[index] if spec.name != ROUNDING_STEP}
+        kept = {spec.name for spec in step.layouts[index] if spec.name not in (ROUNDING_STEP, COMPENSATION)}
         # (a vouched-for param that kept nothing at its first update must keep nothing still)
         if (step.had_state[index] or writes is not None) and set(entry) != kept:
             raise RuntimeError(f"SwapOptimizer: {name}'s step left param {index} with states {sorted(entry)}, but "
@@ -365,7 +386,7 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
         rounding_step = None
         compact_index = 0  # the state's place among the param's compact states (the rounding's key)
         for spec in step.layouts[index]:
-            if spec.kind == SCALAR:
+            if spec.kind == SCALAR or spec.name == COMPENSATION:
                 continue
             value = entry.get(spec.name)
             if value is None:
@@ -383,6 +404,8 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
                              (step.global_offsets[index] if step.global_offsets else 0) + offset,
                              rounding_step or 0)
             compact_index += 1
+        if kahan_piece is not None:
+            kahan_round(piece, kahan_piece, views[COMPENSATION])
         if last:  # the param's scalars after the step: in place, as torch keeps them (identity included)
             for spec in step.layouts[index]:
                 if spec.kind != SCALAR:
@@ -416,7 +439,8 @@ def update_temporaries(declaration: Declaration, groups: list[dict], plan: list[
     their creation at a first step, as torch's default path runs on `device`
     (the planner passes cuda for meta params), and (compact states) the
     scratch their decoded values take (`scratch`: per param, bytes an element;
-    None: no compact states). It comes on top of staging_bytes."""
+    None: no compact states; with Kahan, its float32 stand-in param and grad
+    too). It comes on top of staging_bytes."""
     params = [p for group in groups for p in group["params"]]
     group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
     largest = 0
@@ -427,8 +451,10 @@ def update_temporaries(declaration: Declaration, groups: list[dict], plan: list[
             local = _local(params[index])
             whole = count == local.numel()
             g = group_of[index]
+            # (with Kahan a 16-bit param's update runs in float32, its compensation beside it)
+            upcast = any(key == COMPENSATION and kind == "element" for key, kind, *_ in states[index])
             rows_by_group.setdefault(g, []).append((tuple(local.shape) if whole else (count,),
-                                                    local.element_size()))
+                                                    4 if upcast else local.element_size()))
             new_state_bytes[g] = new_state_bytes.get(g, 0) + (scratch[index] * count if scratch else 0) + sum(
                 _row_bytes(kind, unit, count, whole) for _, kind, unit, _, _ in states[index])
         for g, rows in rows_by_group.items():
@@ -457,6 +483,8 @@ class TorchUpdateRule:
         """What this rule cannot run under `config`, refused (with the reason)
         before anything is built."""
         _refuse_settings(config, type(self.optimizer).__name__, self.declaration, self.learning)
+        self._kahan = config.kahan_summation
+        warn_if_no_16_bit([p for group in self.optimizer.param_groups for p in group["params"]], self._kahan)
         self._compact = compact_of(config.state_dtype)
         self._rounding_seed = None
         if self._compact is not None:  # bf16 states (under 8-bit too: BF16_UNDER_8BIT); saved in state dicts
@@ -502,15 +530,22 @@ class TorchUpdateRule:
         the current ones)."""
         layouts = []
         compact = getattr(self, "_compact", None)
+        kahan = getattr(self, "_kahan", False)
         for group in opt.param_groups:
             for p in group["params"]:
                 specs = self.declaration.states(p, group)
+                # With Kahan a 16-bit param's update runs in float32 (update_dtype): its
+                # element states are kept in float32, and its compensation beside them.
+                upcast = update_dtype(p, kahan) if kahan_applies(p, kahan) else None
                 kept = tuple(_Kept(spec.name, spec.kind, tuple(spec.shape(p.shape)) if spec.kind == WHOLE else None,
-                                   form=form, code=spec.code if form else None)
+                                   dtype=upcast if spec.kind == ELEMENT else None, form=form,
+                                   code=spec.code if form else None)
                              for spec in specs
-                             for form in [form_for(compact, spec.code, p) if spec.kind == ELEMENT else None])
+                             for form in [form_for(compact, spec.code, p, upcast) if spec.kind == ELEMENT else None])
                 if any(k.form == BF16 for k in kept) and not any(k.name == "step" for k in kept):
                     kept += (_Kept(ROUNDING_STEP, SCALAR, None),)  # the rounding's step (SGD keeps none)
+                if upcast is not None:  # (SGD without momentum too: Kahan keeps what the param loses)
+                    kept += (_Kept(COMPENSATION, ELEMENT, None, dtype=p.dtype),)
                 layouts.append(kept)
         return layouts
 
@@ -558,12 +593,15 @@ class TorchUpdateRule:
                 else:
                     row.append((key, "whole", math.prod(spec.shape) * dtype.itemsize, dtype, list(spec.shape)))
             states.append(row)
-            scratch.append(scratch_bytes_per_element([s.form for s in specs], p.dtype))
+            kahan = any(s.name == COMPENSATION for s in specs)
+            scratch.append(scratch_bytes_per_element([s.form for s in specs], torch.float32 if kahan else p.dtype,
+                                                     kahan))
             kept = any(s.kind != SCALAR for s in specs)
             swappable.append(kept and p.numel() >= opt.config.min_numel and p.is_contiguous())
             # A 16-bit param is cut on the CPU only where its group's settings make
-            # the cut proven exact (Declaration.cuts_16_bit_on_cpu).
-            cpu_16_bit = p.device.type == "cpu" and p.element_size() < 4 and not cut_16_bit
+            # the cut proven exact (Declaration.cuts_16_bit_on_cpu), or where Kahan
+            # runs its update in float32 (which the CPU cuts exactly).
+            cpu_16_bit = p.device.type == "cpu" and p.element_size() < 4 and not cut_16_bit and not kahan
             splittable.append(self.declaration.elementwise and all(s.kind != WHOLE for s in specs) and not cpu_16_bit)
         unknown = [k for k in (opt.config.state_keys or ()) if k not in keys]
         # A trusted optimizer's names are known once every param has stepped.
@@ -601,6 +639,8 @@ class TorchUpdateRule:
                         # (a plain state dict has no ROUNDING_STEP: 0)
                         value = entry.get(spec.name, torch.tensor(0, dtype=torch.int64))
                         scalars[i][spec.name] = value.clone() if torch.is_tensor(value) else value
+                    elif spec.name == COMPENSATION and spec.name not in entry:  # (a plain state dict)
+                        views[i][spec.name].zero_()
                     elif spec.form is None:
                         views[i][spec.name].copy_(_local_part(entry[spec.name], p))
                     elif spec.form == EIGHT_BIT and spec.name in entry:  # torch's form: encoded
@@ -627,6 +667,7 @@ class TorchUpdateRule:
         opt._planning = planning
         self._moves_whole = [swap and not cut for swap, cut in zip(planning.swappable, splittable)]
         self._layouts_now = layouts
+        self._note_param_versions(params)
         self._cuts_16_bit_now = cuts_16_bit
         self._views = views
         # What `state` shows: DTensors over the store's views for DTensor params
@@ -690,8 +731,8 @@ class TorchUpdateRule:
         where = f"SwapOptimizer: the state of param {index} ({type(self.optimizer).__name__})"
         expected, checked = [], []  # checked: (key, shape, dtype or None)
         for s in specs:
-            if s.name == ROUNDING_STEP:
-                continue  # optional: a plain state dict has none
+            if s.name in (ROUNDING_STEP, COMPENSATION) and s.name not in entry:
+                continue  # optional: a plain state dict has none (a compensation then starts at 0)
             if s.form == EIGHT_BIT and s.name not in entry:
                 expected += [s.name + CODES, s.name + ABSMAX]
                 checked += [(s.name + CODES, tuple(param.shape), torch.uint8),
@@ -782,6 +823,7 @@ class TorchUpdateRule:
                              f"but param group(s) {not_fused} of {type(self.optimizer).__name__} are not fused=True "
                              f"(any more), and only torch's fused {_FUSED_TAKING_SCALE} take them: set fused=True there, or "
                              "wrap with unscale_in_step=False")
+        written = self._written_params(opt)
         self._follow(opt)
         params = opt._params()
         data_pointers = [_local(p).data_ptr() for p in params]
@@ -795,6 +837,7 @@ class TorchUpdateRule:
                                    f"{type(self.optimizer).__name__} runs on dense grads here (torch.optim.SparseAdam "
                                    "is the optimizer for sparse ones)")
         self._sync_edits(opt, params)
+        self._zero_written_compensation(opt, written)
         opt._settle_plan()
         # What every batch call starts from: the groups as they are now, copied
         # (a deferred step runs on after step() returns, while a scheduler may
@@ -906,6 +949,35 @@ class TorchUpdateRule:
         opt._synchronize()
         self._lay_out(opt, {p: _copied(state[p]) for p in params if state.get(p)})
 
+    def _note_param_versions(self, params: list) -> None:
+        """Remembers the version counter of each param with a Kahan compensation."""
+        self._param_versions = param_versions(params, [i for i, specs in enumerate(self._layouts_now)
+                                                       if any(s.name == COMPENSATION for s in specs)])
+
+    def _written_params(self, opt) -> list:
+        """The params with a Kahan compensation written outside step() since
+        the store noted them (by identity: a new layout may move them)."""
+        by_id = {id(p): p for p in opt._params()}
+        noted = [by_id.get(pid) for pid in opt._param_ids]
+        versions = {i: version for i, version in self._param_versions.items() if noted[i] is not None}
+        return [noted[i] for i in written_since(noted, versions)]
+
+    def _zero_written_compensation(self, opt, written: list) -> None:
+        """The compensation of each param in `written` (written outside step()
+        since the last one: in place, model.load_state_dict) is zeroed: what
+        the old value lost does not belong to the new one."""
+        params = opt._params()
+        index_of = {id(p): i for i, p in enumerate(params)}
+        indices = [index_of[id(p)] for p in written if id(p) in index_of]
+        if indices:
+            opt._synchronize()  # the host store is written: the last step's copies out must have landed
+            with torch.no_grad():
+                for i in indices:
+                    if COMPENSATION in self._views[i]:
+                        self._views[i][COMPENSATION].zero_()
+            opt._runtime.order_writes()
+        self._note_param_versions(params)
+
     def _state_forms(self) -> dict[str, dict]:
         """Per compact state name: its form, and for 8-bit ones the map and
         rounding of its codes (what a state dict's FORMAT_KEY says)."""
@@ -923,8 +995,10 @@ class TorchUpdateRule:
         compact states, each state in its stored form (bf16, or 8-bit S_codes
         and S_absmax) and each param group saying how (FORMAT_KEY: the forms,
         per state its map and rounding, the rounding seed; see
-        swap_optimizer.compact.dequantize_state_dict)."""
-        if getattr(self, "_compact", None) is None:
+        swap_optimizer.compact.dequantize_state_dict). With Kahan, the same tag
+        (so a SwapOptimizer without Kahan, or dequantize_state_dict, drops the
+        compensation), each 16-bit param's compensation and float32 states."""
+        if getattr(self, "_compact", None) is None and not getattr(self, "_kahan", False):
             return
         form = state_format(opt.config.state_dtype, getattr(self, "_rounding_seed", None))
         form.pop("code_maps", None)  # Adam's moments' maps; here per state
@@ -936,8 +1010,10 @@ class TorchUpdateRule:
 
     def _set_aside(self, opt, state_dict: dict[str, Any]) -> tuple[dict, dict]:
         """A copy of `state_dict` for torch's load without what its casts would
-        spoil (8-bit codes and scales, bf16 states, the rounding's step count)
-        or what it does not know (FORMAT_KEY), and those values by param."""
+        spoil (8-bit codes and scales, bf16 states, the rounding's step count,
+        with Kahan float32 states and scalars of 16-bit params) or what it
+        does not know (FORMAT_KEY, a Kahan compensation), and those values by
+        param."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("SwapOptimizer.load_state_dict: expected an optimizer state dict with 'state' and "
                              "'param_groups'")
@@ -962,12 +1038,15 @@ class TorchUpdateRule:
         for pid, entry in state_dict["state"].items():
             kept, rest = {}, {}
             for key, value in entry.items():
-                if key.endswith(CODES) or key.endswith(ABSMAX) or key == ROUNDING_STEP or \
+                if key.endswith(CODES) or key.endswith(ABSMAX) or key in (ROUNDING_STEP, COMPENSATION) or \
                         (getattr(self, "_compact", None) == BF16 and torch.is_tensor(value)
                          and value.dtype == torch.bfloat16 and key != "step"):
                     kept[key] = value
                 else:
                     rest[key] = value
+                    if getattr(self, "_kahan", False) and torch.is_tensor(value) and \
+                            value.dtype == torch.float32 and key != "step":
+                        kept[key] = value  # (torch's load sees it too: NAdam's checks its mu_product)
             plain[pid] = rest
             if kept:
                 aside[pid] = (kept, maps.get(pid, {}))
@@ -988,7 +1067,14 @@ class TorchUpdateRule:
             p = params[i]
             entry = loaded.setdefault(p, {})
             forms = {spec.name: spec.form for spec in layouts[i]}
+            # A param with Kahan keeps its float32 values as they are (its update runs in float32).
+            kahan = COMPENSATION in forms
+            dtype = torch.float32 if kahan else p.dtype
             for key, value in kept.items():
+                if key == COMPENSATION:
+                    if kahan:  # (dropped where this store keeps none)
+                        entry[key] = value
+                    continue
                 name = key[:-len(CODES)] if key.endswith(CODES) else key[:-len(ABSMAX)] if key.endswith(ABSMAX) \
                     else key
                 if key.endswith(ABSMAX) and name + CODES in kept:
@@ -996,10 +1082,10 @@ class TorchUpdateRule:
                 if key.endswith(CODES) and forms.get(name) != EIGHT_BIT and name + ABSMAX in kept:
                     # 8-bit saved, another form here: decoded (by the saved map)
                     values = dequantize(value, kept[name + ABSMAX], name, maps.get(name))
-                    entry[name] = values.to(p.dtype) if p.is_floating_point() else values
+                    entry[name] = values.to(dtype) if p.is_floating_point() else values
                 elif key.endswith(CODES):
                     entry[key], entry[name + ABSMAX] = value, kept[name + ABSMAX]
-                elif key == ROUNDING_STEP or forms.get(name) == BF16:
+                elif key == ROUNDING_STEP or forms.get(name) == BF16 or kahan:
                     entry[key] = value
                 else:  # a bf16 state loaded into another form: torch's cast
                     entry[key] = value.to(p.dtype)
@@ -1011,8 +1097,10 @@ class TorchUpdateRule:
         (a plain state dict: encoded), whichever the state dict holds. Into a
         store of exact states, a compact state dict (this rule's, or the packed
         kernel's with its Kahan buffers) is decoded first, as
-        dequantize_state_dict does."""
-        if getattr(self, "_compact", None) is None and isinstance(state_dict, dict) and \
+        dequantize_state_dict does (except with Kahan: its compensation stays,
+        and the set-aside values are decoded by _put_back)."""
+        if getattr(self, "_compact", None) is None and not getattr(self, "_kahan", False) and \
+                isinstance(state_dict, dict) and \
                 any(FORMAT_KEY in group for group in state_dict.get("param_groups", ())):
             state_dict = dequantize_state_dict(state_dict)
         plain, aside = self._set_aside(opt, state_dict)

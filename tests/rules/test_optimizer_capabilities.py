@@ -245,6 +245,38 @@ def test_compact_states_stay_close_or_are_refused(case, variant, mode):
     assert moved[0] < moved[1], f"{mode} moves {moved[0]:.3f} bytes a param each way, the exact run {moved[1]:.3f}"
 
 
+# -------------------------------------------------------------------- kahan
+@pytest.mark.parametrize("case, variant", rows())
+def test_kahan_summation_is_bitwise_across_cuts_or_refused(case, variant):
+    """kahan_summation=True with bf16 params: where accepted, each param keeps
+    a bf16 compensation, and the run is bitwise the same whole (swap_times=1)
+    and cut (swap_times=4); elsewhere the wrap is refused with the reason.
+    (Its accuracy and its reference: tests/rules/test_kahan_rules.py.)"""
+    if not case.kahan:
+        reason = "wrapped on your word" if case.vouched_for else "works with elementwise optimizers"
+        with pytest.raises(ValueError, match=reason):
+            so.SwapOptimizer(case.make(variant)(case.params(torch.bfloat16)()), kahan_summation=True,
+                             **swap_settings(case))
+        return
+    runs = []
+    for swap_times in (1, 4):
+        params = case.params(torch.bfloat16)()
+        optimizer = so.SwapOptimizer(case.make(variant)(params), kahan_summation=True,
+                                     **swap_settings(case, swap_times=swap_times))
+        for step in range(STEPS):
+            give_grads(step, params)
+            optimizer.step()
+        assert all(optimizer.state[p]["compensation"].dtype == torch.bfloat16 for p in params)
+        runs.append(([p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict()["state"])))
+    assert runs[1][1] and runs[0][1].keys() == runs[1][1].keys()
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert_close(b, a, rtol=0, atol=0)
+    for index, entry in runs[0][1].items():
+        for key, value in entry.items():
+            assert_close(torch.as_tensor(runs[1][1][index][key]), torch.as_tensor(value), rtol=0, atol=0,
+                         msg=lambda m: f"state {index}/{key}: {m}")
+
+
 # ------------------------------------------------------------------- faults
 def snapshot(params, optimizer):
     return [p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict()["state"])
