@@ -20,6 +20,14 @@ def check_readable(value: torch.Tensor, where: str, key: str) -> None:
         raise ValueError(f"{where}: '{key}' is {kind}; load a state dict of dense tensors with data")
 
 
+def check_state_entry(saved_id: Any, entry: Any) -> None:
+    """Refuses a state dict's entry for a param that is not a dict of its states."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"SwapOptimizer.load_state_dict: the state of param id {saved_id!r} is a "
+                         f"{type(entry).__name__}, not a dict of its states; load a state dict that an optimizer's "
+                         "state_dict() made")
+
+
 def _as_step_value(value: Any, where: str) -> float:
     if isinstance(value, torch.Tensor):
         check_readable(value, where, "step")

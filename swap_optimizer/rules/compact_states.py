@@ -113,7 +113,7 @@ def warn_if_no_16_bit(params: list, kahan_summation: bool) -> None:
     warning (from a rule's check_wrap, called by SwapOptimizer.__init__)."""
     if kahan_summation and not any(p.dtype != torch.float32 for p in params):
         warnings.warn("SwapOptimizer: kahan_summation=True applies to 16-bit params, and this optimizer has "
-                      "none; it does nothing here", UserWarning, stacklevel=5)
+                      "none; it does nothing here", UserWarning, stacklevel=4)
 
 
 def update_dtype(param: torch.Tensor, kahan_summation: bool) -> torch.dtype:

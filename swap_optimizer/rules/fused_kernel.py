@@ -20,7 +20,7 @@ from ..config import SwapOptimizerConfig
 from ..distributed import (_check_fsdp_8bit, _global_offset, _is_dtensor, _like_param, _local,
                            _shared_default_seed, _sharded_scales)
 from ..params import check_distinct, check_overlap_params, check_params, param_versions, written_since
-from ..state_dicts import checked_adam_state, write_adam_states
+from ..state_dicts import check_state_entry, checked_adam_state, write_adam_states
 from .compact_states import warn_if_no_16_bit
 from .declarations import Declaration
 
@@ -62,6 +62,11 @@ class PackedKernelRule:
         """What this rule cannot run under `config`, refused (with the reason)
         before anything is built."""
         config.check_adam_state_keys()
+        if config.rounding_seed is not None and config.state_dtype != torch.bfloat16:
+            raise ValueError("SwapOptimizer: rounding_seed seeds the stochastic rounding of bf16 states, and "
+                             f"{type(self.optimizer).__name__}'s states under state_dtype={config.state_dtype} keep "
+                             "none in bf16 (its 8-bit moments round to nearest); set state_dtype=torch.bfloat16 or "
+                             "drop rounding_seed")
         for index, group in enumerate(self.optimizer.param_groups):
             _check_group_flags(group, index)
         warn_if_no_16_bit([p for g in self.optimizer.param_groups for p in g["params"]], config.kahan_summation)
@@ -388,6 +393,7 @@ class PackedKernelRule:
         group_of_param = opt._group_of_param()
         values = {}
         for saved_id, entry in state_dict["state"].items():
+            check_state_entry(saved_id, entry)
             if saved_id not in index_of_id:
                 raise ValueError(f"SwapOptimizer.load_state_dict: state for param id {saved_id!r}, which no param "
                                  "group of the state dict lists")

@@ -22,7 +22,7 @@ from ..config import SwapOptimizerConfig
 from ..distributed import (_check_fsdp_8bit, _global_offset, _is_dtensor, _like_param, _local, _local_part,
                            _shared_default_seed)
 from ..params import check_distinct, check_overlap_params, check_params, param_versions, written_since
-from ..state_dicts import check_readable
+from ..state_dicts import check_readable, check_state_entry
 from ..step_guards import signals_after_the_step
 from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, EIGHT_BIT, ROUNDING_STEP, BatchCodec, blocks,
                              compact_of, encode_exact, form_for, kahan_applies, kahan_round, kahan_stand_in,
@@ -229,6 +229,14 @@ def _store_keys(kept: _Kept, param_dtype: torch.dtype) -> list[tuple[str, str, t
     if kept.kind == WHOLE:
         return [(kept.name, "whole", kept.dtype or param_dtype)]
     return store_keys(kept.name, kept.form, param_dtype, kept.dtype)
+
+
+def _state_name(key: str) -> str:
+    """The state a store key holds (an 8-bit state's codes and scales: the state's name)."""
+    for suffix in (CODES, ABSMAX):
+        if key.endswith(suffix):
+            return key[:-len(suffix)]
+    return key
 
 
 def _row_bytes(kind: str, unit: int, count: int, whole: bool) -> int:
@@ -496,7 +504,7 @@ class TorchUpdateRule:
                        for spec in self.declaration.states(p, group)) and params:
                 warnings.warn(f"SwapOptimizer: state_dtype={config.state_dtype}: {type(self.optimizer).__name__} "
                               "keeps no state worth compacting under its settings (docs/usage.md, 'Compact "
-                              "states'); its states stay exact", UserWarning, stacklevel=4)
+                              "states'); its states stay exact", UserWarning, stacklevel=3)
         _check_groups(self.optimizer, self.declaration)
 
     def check_params(self, params: list) -> None:
@@ -603,12 +611,14 @@ class TorchUpdateRule:
             # runs its update in float32 (which the CPU cuts exactly).
             cpu_16_bit = p.device.type == "cpu" and p.element_size() < 4 and not cut_16_bit and not kahan
             splittable.append(self.declaration.elementwise and all(s.kind != WHOLE for s in specs) and not cpu_16_bit)
-        unknown = [k for k in (opt.config.state_keys or ()) if k not in keys]
+        # state_keys names states; an 8-bit state's codes and scales follow its name
+        names = list(dict.fromkeys(_state_name(key) for key in keys))
+        unknown = [k for k in (opt.config.state_keys or ()) if k not in names]
         # A trusted optimizer's names are known once every param has stepped.
         if unknown and (not self.learning or len(learned) == len(params)):
             raise ValueError(f"SwapOptimizerConfig.state_keys: {unknown} are not states of "
-                             f"{type(self.optimizer).__name__} here; its states are {keys}")
-        swap_keys = [opt.config.state_keys is None or key in opt.config.state_keys for key in keys]
+                             f"{type(self.optimizer).__name__} here; its states are {names}")
+        swap_keys = [opt.config.state_keys is None or _state_name(key) in opt.config.state_keys for key in keys]
         # (the plan keeps lay_out, which holds this rule, never the SwapOptimizer)
         def lay_out(swappable_now: list[bool], swap_times: int, num_arenas: int) -> _C.StagingSummary:
             summary = _C.plan_rule_staging(locals_, states, swappable_now, splittable, swap_keys,
@@ -1036,11 +1046,15 @@ class TorchUpdateRule:
                             maps.setdefault(pid, {})[name] = spec["code_map"]
             groups.append(group)
         for pid, entry in state_dict["state"].items():
+            check_state_entry(pid, entry)
             kept, rest = {}, {}
             for key, value in entry.items():
+                # (a bf16 state is set aside in every compact or Kahan store: one kept in
+                # bf16 under 8-bit too, or kept in float32 under Kahan, would lose its small
+                # values to torch's cast to an fp16 param's dtype)
                 if key.endswith(CODES) or key.endswith(ABSMAX) or key in (ROUNDING_STEP, COMPENSATION) or \
-                        (getattr(self, "_compact", None) == BF16 and torch.is_tensor(value)
-                         and value.dtype == torch.bfloat16 and key != "step"):
+                        ((getattr(self, "_compact", None) is not None or getattr(self, "_kahan", False))
+                         and torch.is_tensor(value) and value.dtype == torch.bfloat16 and key != "step"):
                     kept[key] = value
                 else:
                     rest[key] = value
@@ -1075,8 +1089,7 @@ class TorchUpdateRule:
                     if kahan:  # (dropped where this store keeps none)
                         entry[key] = value
                     continue
-                name = key[:-len(CODES)] if key.endswith(CODES) else key[:-len(ABSMAX)] if key.endswith(ABSMAX) \
-                    else key
+                name = _state_name(key)
                 if key.endswith(ABSMAX) and name + CODES in kept:
                     continue  # with its codes
                 if key.endswith(CODES) and forms.get(name) != EIGHT_BIT and name + ABSMAX in kept:

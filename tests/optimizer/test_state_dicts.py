@@ -142,6 +142,8 @@ def bad_state_dicts(saved):
         "stray param id": (edit(lambda s: s["state"].update({99: s["state"][first]})), "param id 99"),
         "integer state": (edit(lambda s: s["state"][first].update(exp_avg=s["state"][first]["exp_avg"].long())),
                           "must be a floating-point tensor"),
+        "entry not a dict": (edit(lambda s: s["state"].update({first: None})),
+                             "the state of param id 0 is a NoneType, not a dict of its states"),
     }
 
 
@@ -157,13 +159,14 @@ TORCH_UPDATE_MESSAGES = {
     "unknown key": "has keys \\['exp_avg', 'exp_avg_sq', 'momentum_buffer', 'step'\\]",
     "missing key": "has keys \\['exp_avg', 'step'\\]",
     "stray param id": "param id\\(s\\) \\[99\\]",
+    "entry not a dict": "the state of param id 0 is a NoneType, not a dict of its states",
 }
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fields", [{}, PACKED_KERNEL], ids=["torch-update", "packed-kernel"])
 @pytest.mark.parametrize("case", ["not a state dict", "group count", "group size", "amsgrad", "shape", "unknown key",
-                                  "missing key", "stray param id", "integer state"])
+                                  "missing key", "stray param id", "integer state", "entry not a dict"])
 def test_bad_state_dicts_are_refused_and_change_nothing(case, fields, device):
     if not fields and case not in TORCH_UPDATE_MESSAGES:
         pytest.skip("torch's own load takes it, as the plain optimizer's does")

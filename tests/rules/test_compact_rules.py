@@ -453,3 +453,56 @@ def test_rprop_keeps_its_states_exact():
     exact, exact_optimizer = run("Rprop", None)
     assert_same((params, states_of(optimizer, params)), (exact, states_of(exact_optimizer, exact)))
 
+
+
+@pytest.mark.parametrize("saved_with, loaded_into", [
+    (dict(state_dtype=torch.uint8), dict(state_dtype=torch.uint8)),
+    (dict(state_dtype=torch.bfloat16), dict()),
+])
+def test_bf16_states_of_fp16_params_with_kahan_load_as_saved(saved_with, loaded_into):
+    """With Kahan, an fp16 param's update runs in float32, so RMSprop's
+    square_avg, kept in bf16 (under 8-bit too), holds values below fp16's
+    smallest (2**-24) after small grads: a load keeps them, in bf16 or, into
+    a Kahan store of exact states, in float32 (torch's own load would cast
+    them to the param's fp16, to 0, and a 0 denominator divides by eps
+    alone)."""
+    def make(fields):
+        params = [torch.randn(64, 128, generator=torch.Generator().manual_seed(0)).half().requires_grad_()]
+        seed = dict(rounding_seed=SEED) if "state_dtype" in fields else {}
+        optimizer = so.SwapOptimizer(torch.optim.RMSprop(params, lr=1e-3, momentum=0.5, eps=1e-3), min_numel=0,
+                                     swap_times=2, kahan_summation=True, **seed, **fields)
+        return params, optimizer
+
+    params, optimizer = make(saved_with)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        params[0].grad = (torch.randn(64, 128, generator=generator) * 1e-3).half()
+        optimizer.step()
+    saved = optimizer.state_dict()
+    square_avg = saved["state"][0]["square_avg"]
+    assert square_avg.dtype == torch.bfloat16 and (square_avg != 0).all()
+    assert (square_avg.float() < 2.0 ** -24).any(), "the test needs values fp16 cannot hold"
+    loaded_params, loaded = make(loaded_into)
+    with torch.no_grad():
+        loaded_params[0].copy_(params[0])
+    loaded.load_state_dict(saved)
+    assert_close(loaded.state[loaded_params[0]]["square_avg"].float(), square_avg.float(), rtol=0, atol=0)
+
+
+def test_state_keys_name_states_whose_codes_and_scales_follow():
+    """state_keys names a state; under 8-bit its codes and scales go with it
+    (both to host memory), and a store key is not a state's name."""
+    params = make_params("cpu", shapes=[(128, 64), (10, 10)])  # 8-bit codes for the first, exact for the second
+    optimizer = so.SwapOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), min_numel=0, swap_times=1,
+                                 state_dtype=torch.uint8, state_keys=("momentum_buffer",))
+    for p, grad in zip(params, grads_for(0, params)):
+        p.grad = grad
+    optimizer.step()
+    stats = optimizer.memory_stats()
+    assert sorted(stats["swapped_state_keys"]) == ["momentum_buffer", "momentum_buffer_absmax",
+                                                   "momentum_buffer_codes"]
+    assert stats["host_state_bytes"] >= 128 * 64 + 4 * 32 + 4 * 100
+    with pytest.raises(ValueError, match="\\['momentum_buffer_codes'\\] are not states of SGD here; its states are "
+                                         "\\['momentum_buffer'\\]"):
+        so.SwapOptimizer(torch.optim.SGD(make_params("cpu", shapes=[(128, 64)]), lr=0.1, momentum=0.9), min_numel=0,
+                         state_dtype=torch.uint8, state_keys=("momentum_buffer_codes",))

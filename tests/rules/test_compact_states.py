@@ -545,6 +545,7 @@ def test_torch_save_of_8bit_state_dict_round_trips(tmp_path):
     (dict(state_dtype=torch.int8), "state_dtype must be"),
     (dict(rounding_seed=3), "rounding_seed .*state_dtype=torch.bfloat16"),
     (dict(state_dtype=torch.bfloat16, rounding_seed=-1), "rounding_seed must be"),
+    (dict(state_dtype=torch.uint8, rounding_seed=3), "AdamW's states under state_dtype=torch.uint8 keep none in bf16"),
     (dict(kahan_summation=1), "kahan_summation must be True or False"),
 ])
 def test_bad_combinations_are_refused(fields, match):
