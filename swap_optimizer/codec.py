@@ -34,6 +34,7 @@ ROUNDINGS = ("nearest", "nonzero", "up")  # index = the ops' rounding value
 STATE_CODE_FORMS = {
     "signed": ("signed", "nearest"),
     "denominator": ("unsigned", "nonzero"),
+    "accumulator": ("unsigned", "nonzero"),  # Adagrad's sum: a denominator too
     "running_max": ("unsigned", "up"),
 }
 STATE_INDICES = range(4)  # encode_bf16_stochastic's state_index: a param's states 0..3

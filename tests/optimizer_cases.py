@@ -69,7 +69,8 @@ class OptimizerCase:
     compact: state_dtype=torch.bfloat16 / torch.uint8: True, accepted and
         its states move fewer bytes; "exact", accepted with a warning that its
         states are not worth quantizing and stay exact (Rprop); False, refused
-        with the reason (not elementwise; vouched-for).
+        with the reason (not elementwise; vouched-for); or a dict of those per
+        mode ("bf16", "8bit": Adagrad's sum stays exact under bf16).
     kahan: kahan_summation=True accepted for 16-bit params (a compensation
         each; torch's update on a float32 stand-in, or Adam's packed kernel),
         else refused with the reason (not elementwise; vouched-for).
@@ -93,7 +94,7 @@ class OptimizerCase:
     flags: bool = True
     dtypes: tuple = ("fp32", "bf16")
     bitwise: bool = True
-    compact: Union[bool, str] = False
+    compact: Union[bool, str, dict] = False
     kahan: bool = True
     split: bool = True
     overlap: bool = True
@@ -142,7 +143,7 @@ CASES = [
     OptimizerCase("Adagrad", torch.optim.Adagrad, {
         "decay-wd-init": dict(lr=0.1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1),
         "maximize": dict(lr=0.1, maximize=True),
-    }, fused=True, compact=True),
+    }, fused=True, compact={"bf16": "exact", "8bit": True}),
     OptimizerCase("RMSprop", torch.optim.RMSprop, {
         "centered-momentum-wd": dict(lr=0.01, momentum=0.5, centered=True, weight_decay=0.01),
         "plain": dict(lr=0.01),

@@ -33,14 +33,22 @@ BF16, EIGHT_BIT = "bf16", "8bit"
 CODES, ABSMAX = "_codes", "_absmax"
 # Kinds of state that must not decode to 0 where the stored value is not 0
 # (a denominator, a running maximum), and the value an fp16 scratch gets there.
-NEVER_ZERO = ("denominator", "running_max", "decaying_max", "raw_denominator")
-# Kinds kept in bf16 (stochastic) under 8-bit too (see StateSpec.code).
+NEVER_ZERO = ("denominator", "running_max", "decaying_max", "raw_denominator", "accumulator")
+# Kinds kept in bf16 (stochastic) under 8-bit too, and kinds kept exact under
+# bf16 (see StateSpec.code).
 BF16_UNDER_8BIT = ("decaying_max", "raw_denominator")
+EXACT_UNDER_BF16 = ("accumulator",)
 FP16_SMALLEST = 2.0 ** -24
 
 
 def compact_of(state_dtype: Optional[torch.dtype]) -> Optional[str]:
     return {torch.bfloat16: BF16, torch.uint8: EIGHT_BIT}.get(state_dtype)
+
+
+def compacts(compact: Optional[str], code: Optional[str]) -> bool:
+    """Whether a state of kind `code` is stored compact under `compact` (on a
+    param large enough, of another dtype than bf16: form_for)."""
+    return compact is not None and code is not None and not (compact == BF16 and code in EXACT_UNDER_BF16)
 
 
 def form_for(compact: Optional[str], code: Optional[str], param: torch.Tensor,
@@ -51,8 +59,9 @@ def form_for(compact: Optional[str], code: Optional[str], param: torch.Tensor,
     elements (as Adam's), and under bf16 where torch keeps the state in bf16
     itself (`dtype`, the dtype torch's update runs the param in: its own, or
     float32 for a 16-bit one with Kahan, see update_dtype). Under 8-bit, a
-    kind of BF16_UNDER_8BIT is stored as under bf16."""
-    if compact is None or code is None:
+    kind of BF16_UNDER_8BIT is stored as under bf16; under bf16, a kind of
+    EXACT_UNDER_BF16 stays exact."""
+    if not compacts(compact, code):
         return None
     if compact == EIGHT_BIT:
         if param.numel() < MIN_QUANTIZED_NUMEL:

@@ -25,7 +25,7 @@ from ..params import check_distinct, check_overlap_params, check_params, param_v
 from ..state_dicts import check_readable, check_state_entry
 from ..step_guards import signals_after_the_step
 from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, EIGHT_BIT, ROUNDING_STEP, BatchCodec, blocks,
-                             compact_of, encode_exact, form_for, kahan_applies, kahan_round, kahan_stand_in,
+                             compact_of, compacts, encode_exact, form_for, kahan_applies, kahan_round, kahan_stand_in,
                              scratch_bytes_per_element, store_keys, update_dtype, warn_if_no_16_bit)
 from .declarations import (DECLARATIONS, ELEMENT, SCALAR, WHOLE, Declaration, estimated_temporaries)
 
@@ -500,7 +500,8 @@ class TorchUpdateRule:
                 _shared_default_seed()
         if self._compact is not None:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            if not any(spec.code is not None for group in self.optimizer.param_groups for p in group["params"]
+            if not any(compacts(self._compact, spec.code) for group in self.optimizer.param_groups
+                       for p in group["params"]
                        for spec in self.declaration.states(p, group)) and params:
                 warnings.warn(f"SwapOptimizer: state_dtype={config.state_dtype}: {type(self.optimizer).__name__} "
                               "keeps no state worth compacting under its settings (docs/usage.md, 'Compact "

@@ -32,7 +32,9 @@ TOLERANCE = 0.02
 OPTIMIZERS = {
     "SGD": (1e-1, lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, weight_decay=0.01)),
     "RMSprop": (5e-4, lambda ps, lr: torch.optim.RMSprop(ps, lr=lr, momentum=0.5)),
-    "Adagrad": (2e-2, lambda ps, lr: torch.optim.Adagrad(ps, lr=lr)),
+    # (at 2e-2 torch's own fused and for-loop Adagrad end 3.4% apart: too
+    # chaotic for a 2% band; at 1e-2 within 0.06%, and lower)
+    "Adagrad": (1e-2, lambda ps, lr: torch.optim.Adagrad(ps, lr=lr)),
     "Adadelta": (1.0, lambda ps, lr: torch.optim.Adadelta(ps, lr=lr)),
     "Adamax": (4e-3, lambda ps, lr: torch.optim.Adamax(ps, lr=lr)),
     "NAdam": (2e-3, lambda ps, lr: torch.optim.NAdam(ps, lr=lr, weight_decay=0.01)),
@@ -70,9 +72,12 @@ def exact_loss(name):
     return exact
 
 
+# (Adagrad's sum, its only state, stays exact under bf16: nothing to compare)
+ROWS = [(name, mode) for name in sorted(OPTIMIZERS) for mode in sorted(MODES) if (name, mode) != ("Adagrad", "bf16")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("name, mode", ROWS)
 def test_compact_states_train_within_two_percent_of_the_exact_run(name, mode):
     exact = exact_loss(name)
     final, each_way = train(name, MODES[mode], *corpus_and_offsets())
