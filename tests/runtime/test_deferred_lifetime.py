@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import swap_optimizer as so
-from conftest import DEVICES
+from conftest import DEVICES, TESTS
 from test_overlap import build, loss_of, tokens_for
 from test_overlap_rules import OPTIMIZERS
 from optimizer_cases import Lion
@@ -201,6 +201,7 @@ COLLECTED_ON_THE_UPDATE_THREAD = r"""
 import gc, sys, threading
 import torch
 sys.path.insert(0, sys.argv[1])
+import conftest  # noqa: F401  (puts the tests' folders on sys.path)
 import swap_optimizer as so
 from swap_optimizer import overlap
 from swap_optimizer.rules import torch_update
@@ -270,12 +271,10 @@ def test_an_optimizer_collected_on_its_update_thread_still_lands_its_step(then):
     nothing waits for itself there (that would hang), the pass goes on
     orphaned, and the next forward still waits for the step; without one, a
     thread of its own waits for the step and lets the runtime go."""
-    import os
     import subprocess
     import sys
 
-    tests = os.path.dirname(os.path.abspath(__file__))
     # -P and the tests' folder as the working directory: the installed package, never the source folder.
-    result = subprocess.run([sys.executable, "-P", "-c", COLLECTED_ON_THE_UPDATE_THREAD, tests, then],
-                            capture_output=True, text=True, timeout=300, cwd=tests)
+    result = subprocess.run([sys.executable, "-P", "-c", COLLECTED_ON_THE_UPDATE_THREAD, TESTS, then],
+                            capture_output=True, text=True, timeout=300, cwd=TESTS)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
