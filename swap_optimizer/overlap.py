@@ -40,6 +40,7 @@ never waits for this optimizer's step or keeps it alive.
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import contextlib
 import signal
@@ -333,6 +334,7 @@ class _Watch:
     handles: list = []
     strays: list[_ReadWatch] = []
     quiet_filter = None
+    orphan_threads: list[threading.Thread] = []  # each waits for an orphaned pass's step (finish_before_exit)
 
     @classmethod
     def register(cls, overlap: "ForwardOverlap") -> None:
@@ -349,7 +351,7 @@ class _Watch:
 
     @classmethod
     def unregister(cls, overlap: "ForwardOverlap") -> None:
-        if not overlap.complete_dropped_step():
+        if not overlap.complete_pending_step():
             # Collected on the thread that runs its pending step's update (a
             # garbage collection inside the rule's Python code), which cannot
             # wait for it: the pass goes on, orphaned, its hooks and watch
@@ -357,8 +359,10 @@ class _Watch:
             # lets the runtime go, and the stepping thread's next module call
             # (or the pass's end) unregisters it.
             overlap.orphaned = True
-            threading.Thread(target=overlap.finish_orphaned_step, name="swap_optimizer orphaned step",
-                             daemon=True).start()
+            thread = threading.Thread(target=overlap.finish_orphaned_step, name="swap_optimizer orphaned step",
+                                      daemon=True)
+            cls.orphan_threads = [t for t in cls.orphan_threads if t.is_alive()] + [thread]
+            thread.start()
             return
         overlap.finish_pass()
         overlap.drop_watch()  # an optimizer dropped mid-pass leaves no watch behind
@@ -401,6 +405,24 @@ class _Watch:
                 cls.strays.remove(watch)
 
 
+@atexit.register
+def finish_before_exit() -> None:
+    """At exit, before the interpreter finalizes (and before the exit hooks
+    registered before swap_optimizer was imported, which may save the model):
+    pending steps land, those of live optimizers and of orphaned passes, and
+    the runtimes dropped on their update threads are destroyed. A thread still
+    at any of these would take the GIL from a finalizing interpreter, which
+    ends it mid-destructor (std::terminate)."""
+    from . import _C
+
+    for overlap in _Watch.overlaps:
+        if not overlap.orphaned:
+            overlap.complete_pending_step()
+    for thread in _Watch.orphan_threads:
+        thread.join()
+    _C.wait_for_dropped_runtimes()
+
+
 @contextlib.contextmanager
 def hooks_suspended():
     """Benchmark only: the global hooks removed for a while (the forward as
@@ -440,14 +462,14 @@ _UNRANKED = 1 << 62
 
 
 def _wait_for_dropped_step(runtime) -> None:
-    """Waits for the step a dropped optimizer left; a finalizer (or the thread
-    that finishes an orphaned pass) cannot raise, so a failure is a warning
-    that says what it left."""
+    """Waits for the step a dropped optimizer (or an exiting interpreter) left;
+    a finalizer, an exit hook or the thread that finishes an orphaned pass
+    cannot raise, so a failure is a warning that says what it left."""
     try:
         runtime.wait_step()
     except Exception as error:  # noqa: BLE001  (reported, not swallowed)
-        warnings.warn(f"SwapOptimizer(overlap_forward=True) was dropped while its last step was still running, "
-                      f"and that step failed: {error}. The params that step had not reached keep their values "
+        warnings.warn(f"SwapOptimizer(overlap_forward=True) was dropped (or the interpreter exited) while its last "
+                      f"step was still running, and that step failed: {error}. The params that step had not reached keep their values "
                       "from before it (a param cut into pieces may be partly updated); load the last checkpoint "
                       "into a new optimizer, or keep the optimizer and call optimizer.wait() after the last "
                       "step() to see such a failure raised", RuntimeWarning, stacklevel=3)
@@ -508,7 +530,7 @@ class ForwardOverlap:
     def _reset_pass(self) -> None:
         self.pending = False        # positions of a deferred step may still be running
         # The runtime of the pending step, held by the pass itself: the optimizer
-        # may be dropped before anything waits (complete_dropped_step).
+        # may be dropped before anything waits (complete_pending_step).
         self._pending_runtime = None
         self.probing = False
         self.owner = None           # the thread that called step()
@@ -834,14 +856,14 @@ class ForwardOverlap:
         self._pending_runtime = None
         self._spans = None
 
-    def complete_dropped_step(self) -> bool:
+    def complete_pending_step(self) -> bool:
         """The optimizer was collected (del opt, or a train() that returns only
-        the model) while its last step was pending: that step still completes
-        (its runtime, held by the pass, and its update rule hold what it needs),
-        and the caller's stream waits for it here, as the next forward would
-        have. A finalizer cannot raise, so a failure is a warning that says
-        what it left. False where this thread cannot wait: the one running the
-        step's update."""
+        the model), or the interpreter exits, while its last step is pending:
+        that step still completes (its runtime, held by the pass, and its
+        update rule hold what it needs), and the caller's stream waits for it
+        here, as the next forward would have. A finalizer or an exit hook
+        cannot raise, so a failure is a warning that says what it left. False
+        where this thread cannot wait: the one running the step's update."""
         runtime = self._pending_runtime
         if not self.pending or runtime is None:
             return True

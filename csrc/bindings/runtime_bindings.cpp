@@ -9,7 +9,11 @@
 
 #include <ATen/ops/tensor.h>
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 #include <tuple>
@@ -241,6 +245,43 @@ runtime::BatchUpdate python_batch_update(py::function update) {
   };
 }
 
+// Runtimes being destroyed on threads of their own (DeleteWithoutGil). The
+// interpreter's exit waits for them (wait_for_dropped_runtimes, which the
+// Python layer runs at exit): destroying one takes the GIL to free its Python
+// update rule, and a thread that takes the GIL once the interpreter is
+// finalizing is ended in the middle of that destructor (std::terminate).
+class DroppedRuntimes {
+ public:
+  static DroppedRuntimes& instance() {
+    // A forked child has none of the parent's threads: it starts a fresh count.
+    static std::once_flag fork_handler;
+    std::call_once(fork_handler, [] { pthread_atfork(nullptr, nullptr, [] { current_ = new DroppedRuntimes(); }); });
+    return *current_;
+  }
+  void destroy_on_own_thread(SwapRuntime* runtime) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++being_destroyed_;
+    }
+    std::thread([this, runtime] {
+      delete runtime;
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--being_destroyed_ == 0) all_destroyed_.notify_all();
+    }).detach();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    all_destroyed_.wait(lock, [this] { return being_destroyed_ == 0; });
+  }
+
+ private:
+  static DroppedRuntimes* current_;
+  std::mutex mutex_;
+  std::condition_variable all_destroyed_;
+  int64_t being_destroyed_ = 0;
+};
+DroppedRuntimes* DroppedRuntimes::current_ = new DroppedRuntimes();  // never destroyed: threads use it at exit
+
 // The runtime may hold a Python update rule that its update thread runs with
 // the GIL: it is destroyed (which waits for that thread) without the GIL. Its
 // last reference may go on that very thread (a garbage collection run by the
@@ -249,7 +290,7 @@ runtime::BatchUpdate python_batch_update(py::function update) {
 struct DeleteWithoutGil {
   void operator()(SwapRuntime* runtime) const {
     if (runtime->on_update_thread()) {
-      std::thread([runtime] { delete runtime; }).detach();
+      DroppedRuntimes::instance().destroy_on_own_thread(runtime);
       return;
     }
     if (PyGILState_Check()) {
@@ -453,6 +494,15 @@ void bind_runtime(py::module& module) {
            "Test only: random delays of up to copy_delay_us before each copy and of up to compute_delay_us on the "
            "compute queue before each batch's update (both backends, seeded by seed), one injected failure, and "
            "arenas allocated as if the device had simulated_free_bytes free.");
+
+  module.def(
+      "wait_for_dropped_runtimes",
+      [] {
+        py::gil_scoped_release no_gil;
+        DroppedRuntimes::instance().wait();
+      },
+      "Waits until every runtime whose last reference went on its own update thread is destroyed (the Python "
+      "layer runs it at exit, before the interpreter finalizes).");
 
   module.def("_simulate_pin_failure", &runtime::simulate_pin_failure, py::arg("enabled"),
              "Test only: while enabled, pinning host memory fails as if the driver refused it.");

@@ -94,7 +94,7 @@ def test_a_dropped_optimizer_whose_last_step_fails_warns(name):
             optimizer._set_test_hooks(compute_delay_us=2000, seed=7, fault="update", fault_batch=2)
         optimizer.step()
     assert optimizer._overlap.pending
-    with pytest.warns(RuntimeWarning, match=r"dropped while its last step was still running, and that step failed"):
+    with pytest.warns(RuntimeWarning, match=r"dropped \(or the interpreter exited\) while its last step was still running, and that step failed"):
         del optimizer
         gc.collect()
 
@@ -198,8 +198,20 @@ def test_grad_scaler_tensors_are_the_step_s_own_on_the_torch_update_path(device)
 
 
 COLLECTED_ON_THE_UPDATE_THREAD = r"""
-import gc, sys, threading
+import atexit, gc, sys, threading, time
 import torch
+
+def check_landed():
+    with torch._C.DisableTorchFunction():  # reads what memory holds now: no watch waits for the step here
+        got = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got)), "params differ"
+    assert not overlap._Watch.overlaps or sys.argv[2] == "exit", "the orphaned pass did not unregister"
+    print("ok", flush=True)
+
+exiting = threading.Event()
+if sys.argv[2] == "exit":
+    atexit.register(check_landed)  # registered before swap_optimizer's own exit hook: runs after it
+
 sys.path.insert(0, sys.argv[1])
 import conftest  # noqa: F401  (puts the tests' folders on sys.path)
 import swap_optimizer as so
@@ -233,6 +245,9 @@ def collect_once_on_the_update_thread(self, *args):
         assert dropped.wait(timeout=60), "the main thread did not drop the optimizer"
         collected.append(gc.collect())  # the optimizer and its finalizer go here, on the update thread
         collected_event.set()
+        if sys.argv[2] == "exit":  # the rest of the step runs while the interpreter exits
+            assert exiting.wait(timeout=60), "the main thread did not exit"
+            time.sleep(0.2)
     return update(self, *args)
 
 model, optimizer = train(True, 4)
@@ -247,34 +262,88 @@ del optimizer
 dropped.set()
 assert collected_event.wait(timeout=60), "nothing was collected on the update thread"
 assert collected[0] > 0, "nothing was collected on the update thread"
+
+if sys.argv[2] == "exit":  # the interpreter exits with the step still running: it lands first, cleanly
+    atexit.register(exiting.set)  # the first exit hook to run
+    sys.exit(0)
 if sys.argv[2] == "next-forward":
     loss_of(model, tokens_for(5, cpu))  # the optimizer is gone, the step still running: its calls wait
 else:  # the model is not called again: the orphaned pass lets its runtime go once the step is done
-    import time
     orphan, = overlap._Watch.overlaps
     deadline = time.monotonic() + 60
     while orphan._pending_runtime is not None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert orphan._pending_runtime is None and not orphan.pending, "the orphaned pass still holds its runtime"
     torch.nn.Linear(2, 2)(torch.randn(1, 2))  # the stepping thread's next module call lets the pass go
-got = [p.detach().clone() for p in model.parameters()]
-assert all(torch.equal(a, b) for a, b in zip(expected, got)), "params differ"
-assert not overlap._Watch.overlaps, "the orphaned pass did not unregister"
-print("ok")
+check_landed()
 """
 
 
-@pytest.mark.parametrize("then", ["next-forward", "no-forward"])
+@pytest.mark.parametrize("then", ["next-forward", "no-forward", "exit"])
 def test_an_optimizer_collected_on_its_update_thread_still_lands_its_step(then):
     """A garbage collection inside a deferred step's update (host backend: the
     update thread runs torch's update in Python) may collect that optimizer:
     nothing waits for itself there (that would hang), the pass goes on
     orphaned, and the next forward still waits for the step; without one, a
-    thread of its own waits for the step and lets the runtime go."""
+    thread of its own waits for the step and lets the runtime go; and an
+    interpreter that exits meanwhile waits for both before it finalizes (a
+    thread that takes the GIL after that is ended mid-destructor: "terminate
+    called without an active exception")."""
     import subprocess
     import sys
 
     # -P and the tests' folder as the working directory: the installed package, never the source folder.
     result = subprocess.run([sys.executable, "-P", "-c", COLLECTED_ON_THE_UPDATE_THREAD, TESTS, then],
+                            capture_output=True, text=True, timeout=300, cwd=TESTS)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
+
+
+EXIT_WITH_A_STEP_PENDING = r"""
+import atexit, sys
+import torch
+
+def check_landed():
+    with torch._C.DisableTorchFunction():  # reads what memory holds now: no watch waits for the step here
+        got = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got)), "params differ"
+    print("ok", flush=True)
+
+atexit.register(check_landed)  # registered before swap_optimizer's exit hooks: runs after them
+sys.path.insert(0, sys.argv[1])
+import conftest  # noqa: F401  (puts the tests' folders on sys.path)
+import swap_optimizer as so
+from test_overlap import build, loss_of, tokens_for
+
+cpu = torch.device("cpu")
+
+def train(overlapped):
+    model = build(cpu)
+    extra = dict(model=model, overlap_forward=True) if overlapped else {}
+    optimizer = so.SwapOptimizer(torch.optim.NAdam(model.parameters(), lr=3e-3), swap_times=6, num_arenas=3,
+                                 min_numel=0, **extra)
+    for step in range(4):
+        if step == 3 and overlapped:  # the last step's batches end long after the script does
+            optimizer._set_test_hooks(compute_delay_us=50000, seed=1)
+        optimizer.zero_grad()
+        loss_of(model, tokens_for(step, cpu)).backward()
+        optimizer.step()
+    return model, optimizer
+
+model, plain = train(False)
+plain.wait()
+expected = [p.detach().clone() for p in model.parameters()]
+model, optimizer = train(True)
+assert optimizer._overlap._last_step_deferred
+"""
+
+
+def test_an_interpreter_that_exits_with_a_step_pending_lands_it_first():
+    """A script whose last line is step() (overlap_forward=True: the step runs
+    on): the exit waits for it, so a save in an exit hook sees it, and nothing
+    takes the GIL from a finalizing interpreter."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-P", "-c", EXIT_WITH_A_STEP_PENDING, TESTS],
                             capture_output=True, text=True, timeout=300, cwd=TESTS)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
