@@ -52,19 +52,20 @@ def compacts(compact: Optional[str], code: Optional[str]) -> bool:
 
 
 def form_for(compact: Optional[str], code: Optional[str], param: torch.Tensor,
-             dtype: Optional[torch.dtype] = None) -> Optional[str]:
+             dtype: Optional[torch.dtype] = None, numel: Optional[int] = None) -> Optional[str]:
     """The form one element state of `param` (the whole param: a DTensor's
-    global numel) is stored in: None (exact) where the state has no compact
-    kind, under 8-bit where the param has fewer than MIN_QUANTIZED_NUMEL
-    elements (as Adam's), and under bf16 where torch keeps the state in bf16
-    itself (`dtype`, the dtype torch's update runs the param in: its own, or
-    float32 for a 16-bit one with Kahan, see update_dtype). Under 8-bit, a
-    kind of BF16_UNDER_8BIT is stored as under bf16; under bf16, a kind of
-    EXACT_UNDER_BF16 stays exact."""
+    global numel, or `numel` where given, as the planner gives the unsharded
+    size of a rank's shard) is stored in: None (exact) where the state has no
+    compact kind, under 8-bit where the param has fewer than
+    MIN_QUANTIZED_NUMEL elements (as Adam's), and under bf16 where torch keeps
+    the state in bf16 itself (`dtype`, the dtype torch's update runs the param
+    in: its own, or float32 for a 16-bit one with Kahan, see update_dtype).
+    Under 8-bit, a kind of BF16_UNDER_8BIT is stored as under bf16; under
+    bf16, a kind of EXACT_UNDER_BF16 stays exact."""
     if not compacts(compact, code):
         return None
     if compact == EIGHT_BIT:
-        if param.numel() < MIN_QUANTIZED_NUMEL:
+        if (param.numel() if numel is None else numel) < MIN_QUANTIZED_NUMEL:
             return None
         if code not in BF16_UNDER_8BIT:
             return EIGHT_BIT

@@ -231,6 +231,54 @@ def _store_keys(kept: _Kept, param_dtype: torch.dtype) -> list[tuple[str, str, t
     return store_keys(kept.name, kept.form, param_dtype, kept.dtype)
 
 
+class StoreRows(NamedTuple):
+    """The store of some params under their layouts, as the runtime takes it
+    (_C.SwapRuntime's rule constructor, _C.plan_rule_staging): `keys`, the
+    store keys in arena offset order; `rows`, per param, one (key, kind, unit
+    bytes, dtype, shape) row per key (kind "absent" where the param keeps no
+    such state); `scratch`, per param, the device bytes an element's compact
+    scratch (and Kahan's float32 stand-in) takes during its update
+    (update_temporaries); `block_keys`, the keys of 8-bit scales."""
+    keys: list[str]
+    rows: list[list[tuple]]
+    scratch: list[int]
+    block_keys: frozenset
+
+
+def store_rows(params: list, layouts: list) -> StoreRows:
+    """The store of `params` (local tensors, a DTensor's shard; meta ones
+    too) keeping `layouts` (per param, its _Kept states, as
+    TorchUpdateRule.layouts_for gives them): what _lay_out builds the
+    runtime from and the planner lays out, made here once."""
+    keys: list[str] = []
+    block_keys: set[str] = set()
+    for p, specs in zip(params, layouts):
+        for spec in specs:
+            for key, kind, _ in _store_keys(spec, p.dtype):
+                if key not in keys:
+                    keys.append(key)
+                if kind == "block":
+                    block_keys.add(key)
+    rows, scratch = [], []
+    for p, specs in zip(params, layouts):
+        by_key = {key: (spec, kind, dtype) for spec in specs for key, kind, dtype in _store_keys(spec, p.dtype)}
+        row = []
+        for key in keys:
+            spec, kind, dtype = by_key.get(key, (None, "absent", p.dtype))
+            if spec is None:
+                row.append((key, "absent", 0, p.dtype, []))
+            elif kind == "element":
+                row.append((key, "element", dtype.itemsize, dtype, list(p.shape)))
+            elif kind == "block":  # one float32 scale per started block of 256 elements
+                row.append((key, "block", dtype.itemsize, dtype, [blocks(p.numel())]))
+            else:
+                row.append((key, "whole", math.prod(spec.shape) * dtype.itemsize, dtype, list(spec.shape)))
+        rows.append(row)
+        kahan = any(s.name == COMPENSATION for s in specs)
+        scratch.append(scratch_bytes_per_element([s.form for s in specs], torch.float32 if kahan else p.dtype, kahan))
+    return StoreRows(keys, rows, scratch, frozenset(block_keys))
+
+
 def _state_name(key: str) -> str:
     """The state a store key holds (an 8-bit state's codes and scales: the state's name)."""
     for suffix in (CODES, ABSMAX):
@@ -537,25 +585,36 @@ class TorchUpdateRule:
         give it (_follow holds a param that has stepped to the ones it has);
         for a trusted optimizer, those learned from its state (`learned`, else
         the current ones)."""
+        return self.layouts_for(opt.param_groups)
+
+    def layouts_for(self, param_groups: list[dict], numels: Optional[list[int]] = None) -> list[tuple]:
+        """Per param of `param_groups` in group order, the states (_Kept) its
+        group's settings give it under the compact and Kahan settings this
+        rule got from check_wrap; needs no SwapOptimizer (the planner calls it
+        on meta params). `numels`: per param, the whole param's element count
+        that decides 8-bit forms (default: each param's numel, a DTensor's
+        global one; the planner's params are one rank's shards)."""
         layouts = []
         compact = getattr(self, "_compact", None)
         kahan = getattr(self, "_kahan", False)
-        for group in opt.param_groups:
-            for p in group["params"]:
-                specs = self.declaration.states(p, group)
-                # With Kahan a 16-bit param's update runs in float32 (update_dtype): its
-                # element states are kept in float32, and its compensation beside them.
-                upcast = update_dtype(p, kahan) if kahan_applies(p, kahan) else None
-                kept = tuple(_Kept(spec.name, spec.kind, tuple(spec.shape(p.shape)) if spec.kind == WHOLE else None,
-                                   dtype=upcast if spec.kind == ELEMENT else None, form=form,
-                                   code=spec.code if form else None)
-                             for spec in specs
-                             for form in [form_for(compact, spec.code, p, upcast) if spec.kind == ELEMENT else None])
-                if any(k.form == BF16 for k in kept) and not any(k.name == "step" for k in kept):
-                    kept += (_Kept(ROUNDING_STEP, SCALAR, None),)  # the rounding's step (SGD keeps none)
-                if upcast is not None:  # (SGD without momentum too: Kahan keeps what the param loses)
-                    kept += (_Kept(COMPENSATION, ELEMENT, None, dtype=p.dtype),)
-                layouts.append(kept)
+        params = [p for group in param_groups for p in group["params"]]
+        for p, group, numel in zip(params, (group for group in param_groups for _ in group["params"]),
+                                   numels or [None] * len(params)):
+            specs = self.declaration.states(p, group)
+            # With Kahan a 16-bit param's update runs in float32 (update_dtype): its
+            # element states are kept in float32, and its compensation beside them.
+            upcast = update_dtype(p, kahan) if kahan_applies(p, kahan) else None
+            kept = tuple(_Kept(spec.name, spec.kind, tuple(spec.shape(p.shape)) if spec.kind == WHOLE else None,
+                               dtype=upcast if spec.kind == ELEMENT else None, form=form,
+                               code=spec.code if form else None)
+                         for spec in specs
+                         for form in [form_for(compact, spec.code, p, upcast, numel) if spec.kind == ELEMENT
+                                      else None])
+            if any(k.form == BF16 for k in kept) and not any(k.name == "step" for k in kept):
+                kept += (_Kept(ROUNDING_STEP, SCALAR, None),)  # the rounding's step (SGD keeps none)
+            if upcast is not None:  # (SGD without momentum too: Kahan keeps what the param loses)
+                kept += (_Kept(COMPENSATION, ELEMENT, None, dtype=p.dtype),)
+            layouts.append(kept)
         return layouts
 
     def _cuts_16_bit_on_cpu(self, opt) -> list[bool]:
@@ -574,37 +633,16 @@ class TorchUpdateRule:
             opt._overlap.check_params(params)
         learned = self._learned_from(params, previous, learned)
         layouts = self._layouts(opt, learned)
-        keys: list[str] = []
-        block_keys: set[str] = set()
         for i, (p, specs) in enumerate(zip(params, layouts)):
-            for spec in specs:
-                for key, kind, _ in _store_keys(spec, p.dtype):
-                    if key not in keys:
-                        keys.append(key)
-                    if kind == "block":
-                        block_keys.add(key)
-                if spec.form == EIGHT_BIT and _is_dtensor(p):  # blocks start at each shard's first element
-                    _check_fsdp_8bit(p, f"SwapOptimizer: param {i}")
+            # (8-bit blocks start at each shard's first element)
+            if _is_dtensor(p) and any(spec.form == EIGHT_BIT for spec in specs):
+                _check_fsdp_8bit(p, f"SwapOptimizer: param {i}")
         locals_ = [_local(p) for p in params]  # a DTensor's shard on this rank: what the store holds
+        keys, states, scratch, block_keys = store_rows(locals_, layouts)
         cuts_16_bit = self._cuts_16_bit_on_cpu(opt)
-        states, swappable, splittable, scratch = [], [], [], []
+        swappable, splittable = [], []
         for p, specs, cut_16_bit in zip(locals_, layouts, cuts_16_bit):
-            by_key = {key: (spec, kind, dtype) for spec in specs for key, kind, dtype in _store_keys(spec, p.dtype)}
-            row = []
-            for key in keys:
-                spec, kind, dtype = by_key.get(key, (None, "absent", p.dtype))
-                if spec is None:
-                    row.append((key, "absent", 0, p.dtype, []))
-                elif kind == "element":
-                    row.append((key, "element", dtype.itemsize, dtype, list(p.shape)))
-                elif kind == "block":  # one float32 scale per started block of 256 elements
-                    row.append((key, "block", dtype.itemsize, dtype, [blocks(p.numel())]))
-                else:
-                    row.append((key, "whole", math.prod(spec.shape) * dtype.itemsize, dtype, list(spec.shape)))
-            states.append(row)
             kahan = any(s.name == COMPENSATION for s in specs)
-            scratch.append(scratch_bytes_per_element([s.form for s in specs], torch.float32 if kahan else p.dtype,
-                                                     kahan))
             kept = any(s.kind != SCALAR for s in specs)
             swappable.append(kept and p.numel() >= opt.config.min_numel and p.is_contiguous())
             # A 16-bit param is cut on the CPU only where its group's settings make
@@ -669,7 +707,7 @@ class TorchUpdateRule:
         if learned is not None:
             self._learned = learned
         self._keys = keys
-        self._block_keys = frozenset(block_keys)
+        self._block_keys = block_keys
         self._swap_keys = swap_keys
         self._state_rows = states
         self._scratch = scratch
