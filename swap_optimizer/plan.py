@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import textwrap
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -38,7 +39,7 @@ from .config import SwapOptimizerConfig
 from .presets import PRESETS, DecoderShape, from_hf_config
 from .rules import DECLARATIONS, REFUSED, PackedKernelRule, choose_rule, keeps_adam_step
 from .rules.declarations import ELEMENT, SCALAR, WHOLE
-from .rules.torch_update import update_temporaries
+from .rules.torch_update import StoreRows, row_bytes, store_rows, update_temporaries
 
 GIB = 1 << 30
 DEFAULTS = SwapOptimizerConfig()
@@ -148,37 +149,6 @@ def muon_matrix(model: DecoderShape, shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and shape[0] not in (model.vocab_size, model.max_positions or -1)
 
 
-def state_rows(optimizer: torch.optim.Optimizer, declaration) -> list[list[tuple]]:
-    """Per param of `optimizer`, the store's (key, kind, unit bytes, dtype,
-    shape) rows for the states its group's settings give it, as
-    TorchUpdateRule lays them out: element states in the param's dtype, whole
-    ones of their declared shape, scalars left where torch keeps them."""
-    layouts = [(p, declaration.states(p, group)) for group in optimizer.param_groups for p in group["params"]]
-    keys: list[str] = []
-    for _, specs in layouts:
-        keys += [spec.name for spec in specs if spec.kind != SCALAR and spec.name not in keys]
-    states = []
-    for p, specs in layouts:
-        by_name = {spec.name: spec for spec in specs}
-        row = []
-        for key in keys:
-            spec = by_name.get(key)
-            if spec is None:
-                row.append((key, "absent", 0, p.dtype, []))
-            elif spec.kind == ELEMENT:
-                row.append((key, "element", p.dtype.itemsize, p.dtype, list(p.shape)))
-            else:
-                shape = tuple(spec.shape(p.shape))
-                row.append((key, "whole", math.prod(shape) * p.dtype.itemsize, p.dtype, list(shape)))
-        states.append(row)
-    return states
-
-
-def state_bytes(row: list[tuple], numel: int) -> int:
-    """The bytes of one param's states (a state_rows row), unaligned."""
-    return sum(unit * numel if kind == "element" else unit for _, kind, unit, _, _ in row)
-
-
 @dataclasses.dataclass(frozen=True)
 class Planner:
     """One rank's params (meta tensors: nothing is allocated), the optimizer
@@ -211,53 +181,115 @@ class Planner:
             + ")"
 
     def rule(self, mode: str):
-        """The rule SwapOptimizer chooses for the optimizer in `mode` (a TypeError where it refuses the optimizer)."""
-        return choose_rule(self.optimizer, SwapOptimizerConfig(**STATE_MODES[mode]))
+        """The rule SwapOptimizer chooses for the optimizer in `mode`, its
+        check_wrap passed (a TypeError or ValueError where SwapOptimizer
+        refuses the optimizer or the mode; its warnings, a mode that does
+        nothing here, are the planner's notes: left_out)."""
+        if mode not in self._rules:
+            config = SwapOptimizerConfig(**STATE_MODES[mode])
+            rule = choose_rule(self.optimizer, config)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rule.check_wrap(config)
+            self._rules[mode] = rule
+        return self._rules[mode]
+
+    @functools.cached_property
+    def _rules(self) -> dict:  # mode -> its rule, check_wrap passed
+        return {}
 
     @functools.cached_property
     def declaration(self):
         return self.rule("default").declaration
 
+    def accepts(self, mode: str) -> bool:
+        """Whether SwapOptimizer takes the optimizer in `mode`."""
+        try:
+            self.rule(mode)
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    def torch_update(self, mode: str) -> bool:
+        """Whether `mode` runs torch's own update (TorchUpdateRule), not the packed kernel."""
+        return not isinstance(self.rule(mode), PackedKernelRule)
+
+    def layouts(self, mode: str) -> list[tuple]:
+        """Per param, the states torch's update rule keeps in `mode` (8-bit forms
+        decided on the whole param's numel, as the rule decides on a DTensor's)."""
+        return self.rule(mode).layouts_for(self.optimizer.param_groups, self.whole_numels)
+
+    def same_store(self, mode: str) -> Optional[str]:
+        """The earlier mode whose store `mode` keeps as it is under torch's update
+        (its states all stay as there: Rprop's under 8-bit, Adagrad's sum under
+        bf16, bf16 params' states under bf16, Kahan without 16-bit params), or None."""
+        if not self.torch_update(mode):
+            return None
+        earlier = [m for m in STATE_MODES if m == mode or self.accepts(m)]
+        return next((m for m in earlier[:earlier.index(mode)]
+                     if self.torch_update(m) and self.layouts(m) == self.layouts(mode)), None)
+
     def modes(self) -> list[str]:
-        """The state modes planned: default, and the compact ones where the packed kernel runs them (Adam, AdamW)."""
-        return [mode for mode in STATE_MODES if mode == "default" or isinstance(self.rule(mode), PackedKernelRule)]
+        """The state modes planned: every mode SwapOptimizer takes the optimizer
+        in (the packed kernel's for Adam/AdamW, torch's update with compact
+        states or Kahan for every other elementwise optimizer), less those
+        that keep an earlier mode's store as it is (left_out)."""
+        return [mode for mode in STATE_MODES if self.accepts(mode) and self.same_store(mode) is None]
+
+    def left_out(self) -> dict[str, str]:
+        """The modes SwapOptimizer takes that are no row: mode -> the mode whose store it keeps."""
+        return {mode: same for mode in STATE_MODES if self.accepts(mode)
+                for same in [self.same_store(mode)] if same is not None}
+
+    def store_mode(self, mode: str) -> str:
+        """The mode whose torch-update store `mode` has (the packed kernel's modes: default's, torch's own)."""
+        return mode if self.torch_update(mode) else "default"
+
+    def store(self, mode: str = "default") -> StoreRows:
+        """The store torch's update rule lays out in `mode` (default: torch's
+        own states): its keys, per param its (key, kind, unit bytes, dtype,
+        shape) rows, compact scratch bytes per element and 8-bit scale keys,
+        built by the rule's own store_rows."""
+        mode = self.store_mode(mode)
+        if mode not in self._stores:
+            self._stores[mode] = store_rows(self.params, self.layouts(mode))
+        return self._stores[mode]
+
+    @functools.cached_property
+    def _stores(self) -> dict:
+        return {}
 
     def kept_names(self) -> list[str]:
         """The names of the states the store keeps (element and whole), in the store's order."""
-        return [key for key, *_ in self.states()[0]] if self.params else []
+        return self.store().keys
 
-    def states(self) -> list[list[tuple]]:
-        return self._states
-
-    @functools.cached_property
-    def _states(self) -> list[list[tuple]]:
-        return state_rows(self.optimizer, self.declaration)
-
-    def state_bytes_per_param(self) -> float:
-        """Bytes of state per param element in default states (torch's), from the declared states."""
+    def state_bytes_per_param(self, mode: str = "default") -> float:
+        """Bytes of state per param element under torch's update in `mode` (default: torch's own states)."""
         numel = sum(p.numel() for p in self.params)
-        return sum(state_bytes(row, p.numel()) for row, p in zip(self.states(), self.params)) / numel if numel else 0.
+        rows = self.store(mode).rows
+        return sum(row_bytes(kind, unit, p.numel(), True) for row, p in zip(rows, self.params)
+                   for _, kind, unit, _, _ in row) / numel if numel else 0.
 
-    @property
-    def swappable(self) -> list[bool]:
+    def swappable(self, mode: str = "default") -> list[bool]:
         """The params SwapOptimizer may swap: those that keep a state, min_numel on the local shard, as it checks."""
         return [p.numel() >= DEFAULTS.min_numel and any(kind != "absent" for _, kind, *_ in row)
-                for p, row in zip(self.params, self.states())]
+                for p, row in zip(self.params, self.store(mode).rows)]
 
     def lay_out(self, mode: str) -> LayOut:
         """The store's layout as the rule SwapOptimizer chooses in `mode` makes it."""
         rule = self.rule(mode)
-        if not isinstance(rule, PackedKernelRule):  # torch's own update on the staged states
-            states = self.states()
+        if self.torch_update(mode):  # torch's own update on the staged states (compact ones decoded around it)
+            store = self.store(mode)
             splittable = [rule.declaration.elementwise and all(kind != "whole" for _, kind, *_ in row)
-                          for row in states]
-            swap_keys = [True] * (len(states[0]) if states else 0)
+                          for row in store.rows]
+            swap_keys = [True] * len(store.keys)
 
             def lay_out_states(swappable: list, swap_times: int, num_arenas: int) -> _C.StagingSummary:
-                summary = _C.plan_rule_staging(self.params, states, swappable, splittable, swap_keys,
+                summary = _C.plan_rule_staging(self.params, store.rows, swappable, splittable, swap_keys,
                                                swap_times=swap_times, num_arenas=num_arenas)
                 return summary.with_update_temporary_bytes(update_temporaries(
-                    rule.declaration, self.optimizer.param_groups, summary.plan, states, PLANNED_DEVICE))
+                    rule.declaration, self.optimizer.param_groups, summary.plan, store.rows, PLANNED_DEVICE,
+                    store.scratch))
             return lay_out_states
         config = SwapOptimizerConfig(**STATE_MODES[mode])
         quantized = [n >= MIN_QUANTIZED_NUMEL for n in self.whole_numels] if config.state_dtype == torch.uint8 else []
@@ -272,7 +304,8 @@ class Planner:
 
     def best_plan(self, mode: str, budget: int, swap_times: Optional[int], num_arenas: Optional[int]):
         """choose_plan's choice within `budget`, as SwapOptimizer(device_budget_bytes=budget) makes it."""
-        best, _ = choose_plan(self.lay_out(mode), self.swappable, range(len(self.swappable)), budget,
+        swappable = self.swappable(mode)
+        best, _ = choose_plan(self.lay_out(mode), swappable, range(len(swappable)), budget,
                               swap_times=swap_times, num_arenas=num_arenas, staging_cap=None, extra_bytes=0,
                               cost_model=self.cost_model)
         return best
@@ -281,7 +314,7 @@ class Planner:
                  num_arenas: int, mode: str) -> dict:
         numel = sum(p.numel() for p in self.params)
         return memory.row(plan, settings, device_bytes(summary, num_arenas, 0)["total"], summary.host_state_bytes,
-                          update="packed kernel" if isinstance(self.rule(mode), PackedKernelRule) else "torch",
+                          update="torch" if self.torch_update(mode) else "packed kernel",
                           state_bytes_per_param=sum(summary.param_state_bytes) / numel if numel else 0.,
                           update_temporary_bytes=summary.update_temporary_bytes,
                           swap_times=swap_times, num_arenas=num_arenas, batches=summary.batches,
@@ -298,8 +331,8 @@ class Planner:
         `state_mode`."""
         # torch keeps each element or whole state a tensor of the param's dtype (its scalars: 0-dim tensors);
         # its update streams them as SwapOptimizer's resident store does.
-        torch_state = sum(allocated(unit * p.numel() if kind == "element" else unit)
-                          for row, p in zip(self.states(), self.params) for _, kind, unit, _, _ in row
+        torch_state = sum(allocated(row_bytes(kind, unit, p.numel(), True))
+                          for row, p in zip(self.store().rows, self.params) for _, kind, unit, _, _ in row
                           if kind != "absent")
         all_resident = self.lay_out("default")([False] * len(self.params), 1, 2)
         rows = [memory.row(f"resident {self.name}", self.constructor, torch_state, 0,
@@ -312,7 +345,7 @@ class Planner:
         for mode in self.modes():
             if mode in SIXTEEN_BIT_MODES and dtype == torch.float32:
                 continue
-            summary = self.lay_out(mode)(self.swappable, fixed_times, fixed_arenas)
+            summary = self.lay_out(mode)(self.swappable(mode), fixed_times, fixed_arenas)
             rows.append(self.swap_row(memory, "swapped" + ("" if mode == "default" else f" {mode}"),
                                       self.settings(mode, swap_times, num_arenas), summary, fixed_times,
                                       fixed_arenas, mode))
@@ -339,7 +372,7 @@ class Planner:
             return (f"no room for the optimizer: headroom {gib(memory.headroom)} + params {gib(memory.params)} + "
                     f"grads {gib(memory.params)} + activations {gib(memory.activations)} = {gib(need)} GiB, more than "
                     f"the device's {gib(memory.device)} GiB")
-        least, _ = smallest_device_bytes(self.lay_out(mode), self.swappable, 0, swap_times, num_arenas)
+        least, _ = smallest_device_bytes(self.lay_out(mode), self.swappable(mode), 0, swap_times, num_arenas)
         return (f"the smallest plan (all swapped, at the finest split) takes {least:,} bytes on the device, more "
                 f"than the optimizer's budget of {budget:,} bytes")
 
@@ -430,12 +463,26 @@ def row_notes(rows: list[dict], dtype: torch.dtype, planner: Planner) -> list[st
                  "kahan rows the packed kernel (its step table and row table)."]
     elif planner.state_bytes_per_param() == 0:
         notes = [f"Note: {planner.constructor} keeps no state here: nothing to swap (SGD: momentum=0.9 through "
-                 "--optimizer-args keeps a momentum_buffer)."]
+                 "--optimizer-args keeps a momentum_buffer)"
+                 + ("; with kahan_summation=True it keeps each 16-bit param's compensation." if any(
+                     mode.startswith("kahan") for mode in planner.modes()) else ".")]
     else:
         notes = [f"Note: resident {planner.name} counts its state only ({times}). torch's update allocates more "
                  "during step() (foreach intermediates, Adafactor's variance estimate, Muon's Newton-Schulz "
                  "products): the swapped rows count an estimate of them for torch's default path on CUDA "
-                 "(memory_stats()['update_temporary_bytes'])."]
+                 "(memory_stats()['update_temporary_bytes'])"
+                 + ("; the compact and kahan rows also the scratch torch's update runs on (compact states "
+                    "decoded, a float32 copy of each bf16 one for 16-bit params, Kahan's float32 stand-in param "
+                    "and grad)." if len(planner.modes()) > 1 else ".")]
+    for mode, same in planner.left_out().items():
+        if mode in SIXTEEN_BIT_MODES and dtype == torch.float32:
+            continue  # (the header says they need 16-bit params)
+        names = ", ".join(planner.store(mode).keys) or "none"
+        notes.append(f"Note: no 'swapped {mode}' row: SwapOptimizer takes {planner.name} with "
+                     f"{', '.join(f'{k}={v}' for k, v in STATE_MODES[mode].items())}, and keeps its states here "
+                     f"({names}) as 'swapped{'' if same == 'default' else ' ' + same}' does: the same store, bytes "
+                     f"and update (states exact by kind, {dtype_name(dtype)} params' states bf16 already, params under "
+                     f"{MIN_QUANTIZED_NUMEL} elements not in 8-bit: docs/usage.md, 'Compact states').")
     if "swapped bf16" in named and dtype != torch.float32 and \
             named["swapped bf16"]["state_bytes_per_param"] == named["swapped"]["state_bytes_per_param"]:
         change = "only their rounding (stochastic instead of to nearest)" if dtype == torch.bfloat16 else \
@@ -476,13 +523,13 @@ def make_planner(args: argparse.Namespace, parser: argparse.ArgumentParser, mode
     cls = OPTIMIZERS[args.optimizer]
     try:
         planner = Planner.make(model, dtype, args.world_size, cost_model, cls, args.optimizer_args)
-        rule = planner.rule(args.state_mode)
-        if args.state_mode != "default" and not isinstance(rule, PackedKernelRule):
-            parser.error(f"--state-mode {args.state_mode}: compact states for {cls.__name__}: not in this version "
-                         "of the planner (compact states, master weights and Kahan summation: Adam and AdamW)")
-        rule.check_wrap(SwapOptimizerConfig(**STATE_MODES[args.state_mode]))
+        planner.rule("default")
     except (TypeError, ValueError) as error:
         parser.error(f"--optimizer {args.optimizer}: {error}")
+    try:
+        planner.rule(args.state_mode)  # SwapOptimizer's own refusal of the mode for this optimizer
+    except (TypeError, ValueError) as error:
+        parser.error(f"--state-mode {args.state_mode} with --optimizer {args.optimizer}: {error}")
     if args.world_size > 1 and not planner.declaration.elementwise:
         parser.error(f"--optimizer {args.optimizer} --world-size {args.world_size}: SwapOptimizer refuses "
                      f"{cls.__name__} with DTensor params (FSDP2): its update needs the whole param, each rank "
@@ -522,7 +569,8 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, argparse.
                              "(RMSprop), amsgrad=True (Adam, AdamW); they decide which states it keeps")
     parser.add_argument("--state-mode", choices=tuple(STATE_MODES), default="default",
                         help="the state form of the 'best resident share' row (default: the param's dtype, as torch); "
-                             "compact states, master and kahan: Adam and AdamW only")
+                             "bf16, 8bit, kahan and kahan+8bit: every elementwise optimizer; master: Adam and AdamW "
+                             "only")
     parser.add_argument("--link-gbps", type=float, default=25.0,
                         help="host<->device GB/s each way (default 25: PCIe Gen4 x16, effective)")
     parser.add_argument("--link-both-gbps", type=float,
@@ -619,7 +667,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--link-both-gbps, --update-gbps",
         f"optimizer: {planner.constructor}: states {state_names(planner)}: {per_param:.4g} bytes of state per param "
         f"({args.dtype}, as torch keeps them); SwapOptimizer runs torch's own update on them"
-        + (", the packed kernel in the other state modes" if len(planner.modes()) > 1 else "")
+        + (", the packed kernel in the other state modes" if not all(map(planner.torch_update, planner.modes()))
+           else ", in every state mode (compact states decoded into a scratch around it)"
+           if len(planner.modes()) > 1 else "")
         + muon_note(model, planner),
         f"{planner.name}, min_numel {DEFAULTS.min_numel}. 'swapped' rows: swap_times "
         f"{args.swap_times or DEFAULTS.fixed_swap_times}, num_arenas {args.num_arenas or DEFAULTS.fixed_num_arenas} "

@@ -287,7 +287,7 @@ def _state_name(key: str) -> str:
     return key
 
 
-def _row_bytes(kind: str, unit: int, count: int, whole: bool) -> int:
+def row_bytes(kind: str, unit: int, count: int, whole: bool) -> int:
     """Bytes of `count` elements of a store row (whole rows: only with the whole param)."""
     if kind == "element":
         return unit * count
@@ -512,7 +512,7 @@ def update_temporaries(declaration: Declaration, groups: list[dict], plan: list[
             rows_by_group.setdefault(g, []).append((tuple(local.shape) if whole else (count,),
                                                     4 if upcast else local.element_size()))
             new_state_bytes[g] = new_state_bytes.get(g, 0) + (scratch[index] * count if scratch else 0) + sum(
-                _row_bytes(kind, unit, count, whole) for _, kind, unit, _, _ in states[index])
+                row_bytes(kind, unit, count, whole) for _, kind, unit, _, _ in states[index])
         for g, rows in rows_by_group.items():
             largest = max(largest, estimated_temporaries(declaration, rows, groups[g], device, new_state_bytes[g]))
     return largest
@@ -1227,7 +1227,7 @@ class TorchUpdateRule:
                  "update_temporary_bytes": self._temporaries_of(self._plan, self._state_rows, self._scratch)}
         params = opt._params()
         stats["largest_whole_param_state_bytes"] = max(
-            (sum(_row_bytes(kind, unit, _local(params[i]).numel(), True)
+            (sum(row_bytes(kind, unit, _local(params[i]).numel(), True)
                  for (_, kind, unit, _, _), swapped in zip(rows, self._swap_keys) if swapped)
              for i, rows in enumerate(self._state_rows) if self._moves_whole[i]), default=0)
         return stats

@@ -306,9 +306,11 @@ def test_resident_adamw_counts_the_state_only_and_says_so(tmp_path, capsys):
     (["gpt2-124m", "--optimizer", "lbfgs"], "SwapOptimizer cannot wrap LBFGS: " + REFUSED[torch.optim.LBFGS]),
     (["gpt2-124m", "--optimizer", "sparseadam"],
      "SwapOptimizer cannot wrap SparseAdam: " + REFUSED[torch.optim.SparseAdam]),
-    (["gpt2-124m", "--optimizer", "sgd", "--state-mode", "8bit"], "compact states for SGD: not in this version"),
     (["gpt2-124m", "--optimizer", "adafactor", "--state-mode", "bf16"],
-     "compact states for Adafactor: not in this version"),
+     "--state-mode bf16 with --optimizer adafactor: SwapOptimizer: state_dtype=torch.bfloat16 works with elementwise "
+     "optimizers"),
+    (["gpt2-124m", "--optimizer", "muon", "--state-mode", "kahan"], "kahan_summation=True works with elementwise"),
+    (["gpt2-124m", "--optimizer", "sgd", "--state-mode", "master"], "master_weights work(s) with Adam/AdamW only"),
     (["gpt2-124m", "--optimizer", "muon", "--world-size", "2"], "refuses Muon with DTensor params (FSDP2)"),
     (["gpt2-124m", "--optimizer", "adafactor", "--world-size", "2"], "refuses Adafactor with DTensor params"),
     (["gpt2-124m", "--optimizer", "adam", "--optimizer-args", "capturable=True"], "capturable=True"),
@@ -408,3 +410,101 @@ def test_json_names_the_optimizer_and_each_rows_update(tmp_path):
     assert all(rows[f"swapped {mode}"]["update"] == "packed kernel" for mode in ("bf16", "8bit", "master", "kahan"))
     # two 1-byte moments plus their blocks' scales (tensors under MIN_QUANTIZED_NUMEL keep 2-byte moments)
     assert 2 < rows["swapped 8bit"]["state_bytes_per_param"] < 2.2
+
+
+# Compact states and Kahan on torch's update path: (optimizer, its args, mode, --dtype). foreach=True: the
+# planner plans torch's default path on CUDA, a CPU step runs the for-loop by default; both run foreach here.
+# 16-bit params under bf16 or 8-bit states without Kahan are not cut on the CPU (cuts_16_bit_on_cpu), as they
+# are on the planned GPU, so those modes are compared on fp32 params.
+TORCH_UPDATE_MODES = [
+    ("sgd", "momentum=0.9", "bf16", "fp32"), ("sgd", "momentum=0.9", "8bit", "fp32"),
+    ("sgd", "momentum=0.9", "kahan", "bf16"), ("sgd", "momentum=0.9", "kahan+8bit", "bf16"),
+    ("rmsprop", "momentum=0.9", "bf16", "fp32"), ("rmsprop", "momentum=0.9", "8bit", "fp32"),
+    ("rmsprop", "", "kahan", "bf16"), ("rmsprop", "momentum=0.9", "kahan+8bit", "bf16"),
+    ("adagrad", "", "8bit", "fp32"), ("adagrad", "", "kahan", "bf16"), ("adagrad", "", "kahan+8bit", "bf16"),
+]
+
+
+def swapped_on_cpu(shapes, dtype, name, args, mode, **settings):
+    """SwapOptimizer over CPU params of `shapes` in state mode `mode`, after one step with random grads."""
+    torch.manual_seed(0)
+    params = [torch.randn(shape, dtype=plan.DTYPES[dtype]).requires_grad_() for shape in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = SwapOptimizer(plan.OPTIMIZERS[name](params, **plan.optimizer_args(args)), min_numel=1024,
+                              **plan.STATE_MODES[mode], **settings)
+    optimizer.step()
+    return optimizer
+
+
+@pytest.mark.parametrize("name, args, mode, dtype", TORCH_UPDATE_MODES)
+def test_compact_and_kahan_rows_of_other_optimizers_equal_a_real_step(tmp_path, name, args, mode, dtype):
+    """The planner's row in `mode`: its bytes per param, update temporaries
+    (compact scratch and Kahan's float32 stand-in included) and store equal
+    memory_stats() and the store of a SwapOptimizer laid out on real params."""
+    config = write_config(tmp_path, **TINY_LLAMA)
+    args = ",".join(filter(None, (args, "foreach=True")))
+    report, rows = run_plan(tmp_path, "--config", config, "--dtype", dtype, "--optimizer", name,
+                            "--optimizer-args", args, "--swap-times", 4, "--device-memory", 1, "--state-mode", mode)
+    row = rows[f"swapped {mode}"]
+    assert row["update"] == "torch"
+    optimizer = swapped_on_cpu(from_hf_config(config).param_shapes(), dtype, name, args, mode, swap_times=4)
+    stats = optimizer.memory_stats()
+    views = optimizer._rule.views
+    numel = sum(p.numel() for p in optimizer._params())
+    assert row["state_bytes_per_param"] == sum(v.nbytes for entry in views for v in entry.values()) / numel
+    assert (row["host_state_bytes"], row["resident_state_bytes"], row["staging_bytes"], row["batches"],
+            row["update_temporary_bytes"]) == \
+        (stats["host_state_bytes"], stats["resident_state_bytes"], stats["peak_staging_bytes"], stats["batches"],
+         stats["update_temporary_bytes"])
+    assert row["moved_bytes_each_way"] == stats["h2d_bytes"]
+    # the compact forms move fewer bytes than the default states, Kahan more (the compensation)
+    assert row["host_state_bytes"] != rows["swapped"]["host_state_bytes"]
+    assert row["update_temporary_bytes"] > rows["swapped"]["update_temporary_bytes"]  # the scratch
+    assert "best resident share " + mode in rows
+
+
+@pytest.mark.parametrize("name, args, mode, dtype", TORCH_UPDATE_MODES)
+def test_planner_and_rule_build_the_same_store(tmp_path, name, args, mode, dtype):
+    """The planner's store (meta params) is the one TorchUpdateRule._lay_out
+    builds (real params): the same keys, rows, scratch and 8-bit scale keys."""
+    model = from_hf_config(write_config(tmp_path, **TINY_LLAMA))
+    planner = plan.Planner.make(model, plan.DTYPES[dtype], 1, StepCostModel.for_device(torch.device("cpu")),
+                                plan.OPTIMIZERS[name], plan.optimizer_args(args))
+    rule = swapped_on_cpu(model.param_shapes(), dtype, name, args, mode)._rule
+    assert planner.store(mode) == (rule._keys, rule._state_rows, rule._scratch, rule._block_keys)
+    assert any(planner.store(mode).scratch) and planner.store(mode) != planner.store("default")
+
+
+def test_modes_whose_states_stay_exact_are_no_rows_and_say_so(tmp_path, capsys):
+    """Adagrad's sum stays exact under bf16, Rprop keeps every state exact:
+    SwapOptimizer takes those modes, and the planner shows no row that
+    repeats another's store, but a note; --state-mode plans it all the same."""
+    config = write_config(tmp_path, **TINY_LLAMA)
+    report, rows = run_plan(tmp_path, "--config", config, "--dtype", "fp32", "--optimizer", "adagrad",
+                            "--device-memory", 1, "--state-mode", "bf16")
+    assert set(rows) == {"resident Adagrad", "swapped", "swapped 8bit", "best resident share bf16"}
+    note = "no 'swapped bf16' row: SwapOptimizer takes Adagrad with state_dtype=torch.bfloat16, and keeps its " \
+           "states here (sum) as 'swapped' does"
+    assert note in printed(capsys) and any(note in line for line in report["notes"])
+    _, rows = run_plan(tmp_path, "--config", config, "--dtype", "bf16", "--optimizer", "rprop")
+    assert set(rows) == {"resident Rprop", "swapped", "swapped kahan"}
+    out = printed(capsys)
+    for mode, same in (("bf16", "swapped"), ("8bit", "swapped"), ("kahan+8bit", "swapped kahan")):
+        assert f"no 'swapped {mode}' row" in out and f"as '{same}' does" in out
+    # SGD with bf16 params: its momentum_buffer is bf16 already under bf16 states
+    _, rows = run_plan(tmp_path, "--config", config, "--optimizer", "sgd", "--optimizer-args", "momentum=0.9")
+    assert set(rows) == {"resident SGD", "swapped", "swapped 8bit", "swapped kahan", "swapped kahan+8bit"}
+
+
+def test_8bit_forms_are_decided_on_the_whole_param_under_fsdp2(tmp_path):
+    """A 64 x 64 matrix (4,096 elements) keeps 8-bit codes under FSDP2 though
+    each rank's shard has 2,048, as the rule decides on a DTensor's global numel."""
+    model = from_hf_config(write_config(tmp_path, **TINY_LLAMA))
+    planner = plan.Planner.make(model, torch.float32, 2, StepCostModel.for_device(torch.device("cpu")),
+                                torch.optim.SGD, dict(momentum=0.9))
+    store = planner.store("8bit")
+    index = next(i for i, p in enumerate(planner.params) if tuple(p.shape) == (32, 64))
+    kinds = {key: kind for key, kind, *_ in store.rows[index]}
+    assert kinds["momentum_buffer_codes"] == "element" and kinds["momentum_buffer_absmax"] == "block"
+    assert kinds["momentum_buffer"] == "absent"
