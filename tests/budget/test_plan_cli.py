@@ -467,8 +467,9 @@ def test_compact_and_kahan_rows_of_other_optimizers_equal_a_real_step(tmp_path, 
 @pytest.mark.parametrize("name, args, mode, dtype", TORCH_UPDATE_MODES)
 def test_planner_and_rule_build_the_same_store(tmp_path, name, args, mode, dtype):
     """The planner's store (meta params) is the one TorchUpdateRule._lay_out
-    builds (real params): the same keys, rows, scratch and 8-bit scale keys."""
-    model = from_hf_config(write_config(tmp_path, **TINY_LLAMA))
+    builds (real params): the same keys, rows, scratch and 8-bit scale keys.
+    (vocab 513: the embeddings' 32,832 elements end inside a block of 256.)"""
+    model = from_hf_config(write_config(tmp_path, **dict(TINY_LLAMA, vocab_size=513)))
     planner = plan.Planner.make(model, plan.DTYPES[dtype], 1, StepCostModel.for_device(torch.device("cpu")),
                                 plan.OPTIMIZERS[name], plan.optimizer_args(args))
     rule = swapped_on_cpu(model.param_shapes(), dtype, name, args, mode)._rule
