@@ -9,11 +9,13 @@ it is built (no weights, no GPU).
 
 Every SwapOptimizer figure comes from the runtime's own layout on meta tensors
 (memory_stats() of a real step equals it): the rule SwapOptimizer chooses for
-the optimizer (rules.choose_rule) lays the store out with `_C.plan_rule_staging`
-from the optimizer's declared states (torch's own update) or `_C.plan_staging`
-(the packed Adam kernel: compact states, master weights, Kahan); then the
-device budget's planner and its cost model (swap_optimizer.budget). The
-activations are an estimate (see activation_bytes)."""
+the optimizer in each state mode (rules.choose_rule, its check_wrap) lays the
+store out with `_C.plan_rule_staging` from the rows the rule itself builds
+(torch's own update: TorchUpdateRule.layouts_for and store_rows, compact
+states and Kahan included) or `_C.plan_staging` (the packed Adam kernel:
+Adam/AdamW's compact states, master weights, Kahan); then the device budget's
+planner and its cost model (swap_optimizer.budget). The activations are an
+estimate (see activation_bytes)."""
 
 from __future__ import annotations
 
