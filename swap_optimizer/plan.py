@@ -483,8 +483,8 @@ def row_notes(rows: list[dict], dtype: torch.dtype, planner: Planner) -> list[st
         notes.append(f"Note: no 'swapped {mode}' row: SwapOptimizer takes {planner.name} with "
                      f"{', '.join(f'{k}={v}' for k, v in STATE_MODES[mode].items())}, and keeps its states here "
                      f"({names}) as 'swapped{'' if same == 'default' else ' ' + same}' does: the same store, bytes "
-                     f"and update (states exact by kind, {dtype_name(dtype)} params' states bf16 already, params under "
-                     f"{MIN_QUANTIZED_NUMEL} elements not in 8-bit: docs/usage.md, 'Compact states').")
+                     f"and update (states exact by kind, {dtype_name(dtype)} params' states bf16 already, params "
+                     f"under {MIN_QUANTIZED_NUMEL} elements not in 8-bit: docs/usage.md, 'Compact states').")
     if "swapped bf16" in named and dtype != torch.float32 and \
             named["swapped bf16"]["state_bytes_per_param"] == named["swapped"]["state_bytes_per_param"]:
         change = "only their rounding (stochastic instead of to nearest)" if dtype == torch.bfloat16 else \
