@@ -185,20 +185,44 @@ class Planner:
     def rule(self, mode: str):
         """The rule SwapOptimizer chooses for the optimizer in `mode`, its
         check_wrap passed (a TypeError or ValueError where SwapOptimizer
-        refuses the optimizer or the mode; its warnings, a mode that does
-        nothing here, are the planner's notes: left_out)."""
+        refuses the optimizer or the mode: refusal; its warnings, a setting
+        that does nothing here: wrap_warnings)."""
         if mode not in self._rules:
             config = SwapOptimizerConfig(**STATE_MODES[mode])
-            rule = choose_rule(self.optimizer, config)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                rule.check_wrap(config)
-            self._rules[mode] = rule
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    rule = choose_rule(self.optimizer, config)
+                    rule.check_wrap(config)
+                except (TypeError, ValueError) as error:
+                    self._rules[mode] = error
+                else:
+                    self._rules[mode] = rule
+            self._warnings[mode] = [str(w.message).removeprefix("SwapOptimizer: ") for w in caught]
+        if isinstance(self._rules[mode], Exception):
+            raise self._rules[mode]
         return self._rules[mode]
 
     @functools.cached_property
-    def _rules(self) -> dict:  # mode -> its rule, check_wrap passed
+    def _rules(self) -> dict:  # mode -> its rule, check_wrap passed, or SwapOptimizer's refusal
         return {}
+
+    @functools.cached_property
+    def _warnings(self) -> dict:  # mode -> the warnings SwapOptimizer gives when it wraps the optimizer so
+        return {}
+
+    def wrap_warnings(self, mode: str) -> list[str]:
+        """What SwapOptimizer warns when it wraps the optimizer in `mode` (a setting that does nothing here)."""
+        self.accepts(mode)
+        return self._warnings[mode]
+
+    def refusal(self, mode: str) -> Optional[str]:
+        """Why SwapOptimizer refuses the optimizer in `mode`, or None where it takes it."""
+        try:
+            self.rule(mode)
+        except (TypeError, ValueError) as error:
+            return str(error).removeprefix("SwapOptimizer: ")
+        return None
 
     @functools.cached_property
     def declaration(self):
@@ -206,11 +230,7 @@ class Planner:
 
     def accepts(self, mode: str) -> bool:
         """Whether SwapOptimizer takes the optimizer in `mode`."""
-        try:
-            self.rule(mode)
-        except (TypeError, ValueError):
-            return False
-        return True
+        return self.refusal(mode) is None
 
     def torch_update(self, mode: str) -> bool:
         """Whether `mode` runs torch's own update (TorchUpdateRule), not the packed kernel."""
@@ -449,7 +469,7 @@ def muon_note(model: DecoderShape, planner: Planner) -> str:
             "AdamW beside it, whose state these rows do not count (plan it with --optimizer adamw)")
 
 
-def row_notes(rows: list[dict], dtype: torch.dtype, planner: Planner) -> list[str]:
+def row_notes(rows: list[dict], dtype: torch.dtype, planner: Planner, state_mode: str = "default") -> list[str]:
     """What the rows do not say by themselves."""
     ratio = planner.state_bytes_per_param() / dtype.itemsize
     times = {1.0: "the params' bytes", 2.0: "twice the params' bytes", 3.0: "three times the params' bytes"}.get(
@@ -476,24 +496,52 @@ def row_notes(rows: list[dict], dtype: torch.dtype, planner: Planner) -> list[st
                  + ("; the compact and kahan rows also the scratch torch's update runs on (compact states "
                     "decoded, a float32 copy of each bf16 one for 16-bit params, Kahan's float32 stand-in param "
                     "and grad)." if len(planner.modes()) > 1 else ".")]
-    for mode, same in planner.left_out().items():
-        if mode in SIXTEEN_BIT_MODES and dtype == torch.float32:
-            continue  # (the header says they need 16-bit params)
-        names = ", ".join(planner.store(mode).keys) or "none"
-        notes.append(f"Note: no 'swapped {mode}' row: SwapOptimizer takes {planner.name} with "
-                     f"{', '.join(f'{k}={v}' for k, v in STATE_MODES[mode].items())}, and keeps its states here "
-                     f"({names}) as 'swapped{'' if same == 'default' else ' ' + same}' does: the same store, bytes "
-                     f"and update (states exact by kind, {dtype_name(dtype)} params' states bf16 already, params "
-                     f"under {MIN_QUANTIZED_NUMEL} elements not in 8-bit: docs/usage.md, 'Compact states').")
+    shown = [mode for mode in STATE_MODES if not (mode in SIXTEEN_BIT_MODES and dtype == torch.float32)]
+    refused: dict[str, list[str]] = {}  # SwapOptimizer's refusal -> the modes it refuses so
+    for mode in shown:
+        if planner.refusal(mode) is not None:
+            refused.setdefault(planner.refusal(mode), []).append(f"'swapped {mode}'")
+    notes += [f"Note: no {', '.join(modes)} row{'s' if len(modes) > 1 else ''}: {refusal}"
+              for refusal, modes in refused.items()]
+    for mode in shown:
+        same = planner.left_out().get(mode)
+        if same is not None:
+            notes.append(f"Note: no 'swapped {mode}' row: SwapOptimizer takes {planner.name} with {settings_of(mode)} "
+                         f"and keeps the store of 'swapped{'' if same == 'default' else ' ' + same}' "
+                         f"({', '.join(planner.store(mode).keys) or 'no state'}): the same bytes and update, as "
+                         f"{same_store_reason(planner, mode, dtype)}.")
+    if state_mode != "default" and not (state_mode in shown and state_mode in planner.left_out()):
+        # (a left-out mode's note says them)
+        notes += [f"Note: --state-mode {state_mode}: {warning}" for warning in planner.wrap_warnings(state_mode)]
     if "swapped bf16" in named and dtype != torch.float32 and \
             named["swapped bf16"]["state_bytes_per_param"] == named["swapped"]["state_bytes_per_param"]:
         change = "only their rounding (stochastic instead of to nearest)" if dtype == torch.bfloat16 else \
             "their format (bf16: fp32's range, fewer mantissa bits) and rounding (stochastic)"
-        notes.append("Note: swapped bf16 stores and moves the same bytes as swapped here: the moments of "
+        fewer = [row for row in ("8bit", "kahan+8bit") if f"swapped {row}" in named]
+        notes.append(f"Note: swapped bf16 stores and moves the same bytes as swapped here: the states of "
                      f"{dtype_name(dtype)} params are 2 bytes already (kept in the param's dtype, as torch keeps "
-                     f"them), and state_dtype=torch.bfloat16 changes {change}. It halves the state of fp32 params; "
-                     "for 16-bit params, 8bit and kahan+8bit move fewer bytes.")
+                     f"them), and state_dtype=torch.bfloat16 changes {change}. It halves the state of fp32 params"
+                     + (f"; for 16-bit params, {' and '.join(fewer)} move fewer bytes." if fewer else "."))
     return notes
+
+
+def settings_of(mode: str) -> str:
+    """A state mode's SwapOptimizer arguments, as a user writes them."""
+    return ", ".join(f"{key}={value}" for key, value in STATE_MODES[mode].items())
+
+
+def same_store_reason(planner: Planner, mode: str, dtype: torch.dtype) -> str:
+    """Why `mode` keeps an earlier mode's store (Planner.left_out): what
+    SwapOptimizer warns at wrap time, else what the params' dtype or sizes
+    leave to compact."""
+    warned = planner.wrap_warnings(mode)
+    if warned:
+        return "SwapOptimizer warns: " + "; ".join(warned)
+    if "8bit" in mode and all(numel < MIN_QUANTIZED_NUMEL for numel in planner.whole_numels):
+        return f"no param has the {MIN_QUANTIZED_NUMEL} elements 8-bit states need (docs/usage.md, 'Compact states')"
+    if dtype == torch.bfloat16:
+        return "the states of bf16 params are bf16 already (docs/usage.md, 'Compact states')"
+    return "every state comes out as there (docs/usage.md, 'Compact states')"
 
 
 def say(text: str, first: str = "", indent: str = "    ") -> None:
@@ -693,7 +741,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  {row['plan']}: {row['settings']}")
         if row["why_not"]:
             say(f"does not fit: {row['why_not']}", first=" " * 6, indent=" " * 8)
-    notes = row_notes(rows, dtype, planner)
+    notes = row_notes(rows, dtype, planner, args.state_mode)
     for note in notes:
         say(note)
     if device is None:

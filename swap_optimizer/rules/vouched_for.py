@@ -263,8 +263,15 @@ class VouchedForRule(TorchUpdateRule):
 
     def _layouts(self, opt, learned: Optional[dict] = None) -> list[tuple]:
         """Per param, the states learned from its state (`learned`, else the current ones)."""
-        learned = self._learned if learned is None else learned
+        if learned is None:
+            return self.layouts_for(opt.param_groups)
         return [learned.get(p, ()) for p in opt._params()]
+
+    def layouts_for(self, param_groups: list[dict], numels: Optional[list[int]] = None) -> list[tuple]:
+        """Per param of `param_groups`, the states learned at its first update
+        (none before it: a vouched-for optimizer declares none, so no layout is
+        known ahead; the planner does not plan such optimizers)."""
+        return [self._learned.get(p, ()) for group in param_groups for p in group["params"]]
 
     def _learned_from(self, params: list, previous: dict, learned: Optional[dict]) -> Optional[dict]:
         if learned is not None:

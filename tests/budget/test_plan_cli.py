@@ -225,7 +225,7 @@ def test_swapped_bf16_equals_swapped_for_16_bit_params_and_says_why(tmp_path, ca
     assert rows["swapped bf16"]["state_bytes_per_param"] == rows["swapped"]["state_bytes_per_param"]
     for key in ("host_state_bytes", "moved_bytes_each_way"):
         assert 0 <= rows["swapped bf16"][key] - rows["swapped"][key] <= 4 * 148, key
-    note = f"swapped bf16 stores and moves the same bytes as swapped here: the moments of {dtype} params are 2 bytes"
+    note = f"swapped bf16 stores and moves the same bytes as swapped here: the states of {dtype} params are 2 bytes"
     assert note in printed(capsys) and any(note in line for line in report["notes"])
     report, rows = run_plan(tmp_path, "gpt2-124m", "--device-memory", 16, "--dtype", "fp32")
     assert rows["swapped bf16"]["host_state_bytes"] < 0.51 * rows["swapped"]["host_state_bytes"]
@@ -485,17 +485,60 @@ def test_modes_whose_states_stay_exact_are_no_rows_and_say_so(tmp_path, capsys):
     report, rows = run_plan(tmp_path, "--config", config, "--dtype", "fp32", "--optimizer", "adagrad",
                             "--device-memory", 1, "--state-mode", "bf16")
     assert set(rows) == {"resident Adagrad", "swapped", "swapped 8bit", "best resident share bf16"}
-    note = "no 'swapped bf16' row: SwapOptimizer takes Adagrad with state_dtype=torch.bfloat16, and keeps its " \
-           "states here (sum) as 'swapped' does"
-    assert note in printed(capsys) and any(note in line for line in report["notes"])
+    note = "no 'swapped bf16' row: SwapOptimizer takes Adagrad with state_dtype=torch.bfloat16 and keeps the " \
+           "store of 'swapped' (sum): the same bytes and update, as SwapOptimizer warns: state_dtype=torch.bfloat16: " \
+           "Adagrad keeps no state worth compacting under its settings"
+    out = printed(capsys)
+    assert note in out and any(note in line for line in report["notes"])
+    assert "--state-mode bf16:" not in out  # its warning is said once, in the row's note
     _, rows = run_plan(tmp_path, "--config", config, "--dtype", "bf16", "--optimizer", "rprop")
     assert set(rows) == {"resident Rprop", "swapped", "swapped kahan"}
     out = printed(capsys)
-    for mode, same in (("bf16", "swapped"), ("8bit", "swapped"), ("kahan+8bit", "swapped kahan")):
-        assert f"no 'swapped {mode}' row" in out and f"as '{same}' does" in out
-    # SGD with bf16 params: its momentum_buffer is bf16 already under bf16 states
-    _, rows = run_plan(tmp_path, "--config", config, "--optimizer", "sgd", "--optimizer-args", "momentum=0.9")
+    for mode, same, dtype in (("bf16", "'swapped'", "torch.bfloat16"), ("8bit", "'swapped'", "torch.uint8"),
+                              ("kahan+8bit", "'swapped kahan'", "torch.uint8")):
+        assert f"no 'swapped {mode}' row: SwapOptimizer takes Rprop" in out
+        assert f"keeps the store of {same}" in out and f"warns: state_dtype={dtype}: Rprop keeps no state" in out
+    # SGD with bf16 params: its momentum_buffer is bf16 already under bf16 states (no warning: fp32 ones would be)
+    report, rows = run_plan(tmp_path, "--config", config, "--optimizer", "sgd", "--optimizer-args", "momentum=0.9")
     assert set(rows) == {"resident SGD", "swapped", "swapped 8bit", "swapped kahan", "swapped kahan+8bit"}
+    note = "no 'swapped bf16' row: SwapOptimizer takes SGD with state_dtype=torch.bfloat16 and keeps the store of " \
+           "'swapped' (momentum_buffer): the same bytes and update, as the states of bf16 params are bf16 already"
+    assert note in printed(capsys) and any(note in line for line in report["notes"])
+
+
+@pytest.mark.parametrize("name, refused", [
+    ("sgd", {"'swapped master' row": "state_dtype, master_weights work(s) with Adam/AdamW only"}),
+    ("adafactor", {"'swapped bf16' row": "state_dtype=torch.bfloat16 works with elementwise optimizers",
+                   "'swapped 8bit', 'swapped kahan+8bit' rows": "state_dtype=torch.uint8 works with elementwise",
+                   "'swapped master' row": "state_dtype, master_weights work(s) with Adam/AdamW only",
+                   "'swapped kahan' row": "kahan_summation=True works with elementwise optimizers"}),
+])
+def test_modes_swapoptimizer_refuses_are_no_rows_and_say_why(tmp_path, capsys, name, refused):
+    """A state mode SwapOptimizer refuses for the optimizer is a note with its
+    refusal (the same refusal once, naming every mode it refuses)."""
+    config = write_config(tmp_path, **TINY_LLAMA)
+    report, rows = run_plan(tmp_path, "--config", config, "--optimizer", name)
+    out = printed(capsys)
+    for modes, refusal in refused.items():
+        assert f"Note: no {modes}: {refusal}" in out
+        assert sum(line.startswith(f"Note: no {modes}") for line in report["notes"]) == 1
+    for modes in refused:
+        for mode in modes.split(", "):
+            assert mode.split("'")[1] not in rows
+
+
+def test_the_chosen_state_modes_wrap_warnings_are_notes(tmp_path, capsys):
+    """--state-mode plans what SwapOptimizer does with that setting, and says
+    what it would warn when wrapping (kahan on fp32 params does nothing)."""
+    config = write_config(tmp_path, **TINY_LLAMA)
+    report, _ = run_plan(tmp_path, "--config", config, "--dtype", "fp32", "--optimizer", "sgd", "--optimizer-args",
+                         "momentum=0.9", "--device-memory", 1, "--state-mode", "kahan")
+    note = "Note: --state-mode kahan: kahan_summation=True applies to 16-bit params, and this optimizer has none; it " \
+           "does nothing here"
+    assert note in printed(capsys) and note in report["notes"]
+    report, _ = run_plan(tmp_path, "--config", config, "--dtype", "bf16", "--optimizer", "sgd", "--optimizer-args",
+                         "momentum=0.9", "--device-memory", 1, "--state-mode", "kahan")
+    assert "--state-mode kahan:" not in printed(capsys)
 
 
 def test_8bit_forms_are_decided_on_the_whole_param_under_fsdp2(tmp_path):

@@ -102,6 +102,9 @@ def test_learned_states_of_every_kind(device, dtype):
     entry = swapped.state[swapped.param_groups[0]["params"][0]]
     assert entry["moment"].dtype == torch.float32 and entry["moment"].device.type == "cpu"
     assert entry["step"].device.type == device and entry["updates"] == 6
+    # the layouts a caller without the optimizer asks for are the learned ones the store was built from
+    layouts = swapped._rule.layouts_for(swapped.param_groups)
+    assert layouts == swapped._rule._layouts_now and all(layouts)
 
 
 def test_a_group_value_the_step_writes_the_same_from_every_call():
