@@ -8,7 +8,7 @@ largest param's states). AdamW on bf16 params, states in bf16 (torch's default
 for bf16 params), min_numel 1024, as `SwapOptimizer(torch.optim.AdamW(...))`
 would lay them out.
 
-The figures come from the runtime's own plan (`_C.plan_staging`, on meta
+The figures come from the runtime's own plan (`_C.summarize_staging`, on meta
 tensors: no memory is allocated). With --real-step the shapes whose state fits
 in host memory also run one real step on the CPU host backend and report
 `memory_stats()` of that step, which must equal the plan.
@@ -36,9 +36,9 @@ MIN_NUMEL = 1024
 
 def plan(shapes, swap_times, num_arenas):
     params = [torch.empty(shape, dtype=torch.bfloat16, device="meta") for shape in shapes]
-    return _C.plan_staging(params, [0] * len(params), [False], [p.numel() >= MIN_NUMEL for p in params],
-                           swap_times=swap_times, num_arenas=num_arenas, state_dtype=None, master_weights=False,
-                           swap_keys=[True] * 8)
+    return _C.summarize_staging(params, [0] * len(params), [False], [p.numel() >= MIN_NUMEL for p in params],
+                                swap_times=swap_times, num_arenas=num_arenas, state_dtype=None, master_weights=False,
+                                swap_keys=[True] * 8)
 
 
 def real_step(shapes, swap_times, num_arenas):
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
             share = summary.staging_bytes / host
             ideal = args.num_arenas / swap_times
             floor = args.num_arenas * largest * 4 / host  # two bf16 states per element
-            copies = max(b["host_copies"] for b in summary.plan)
+            copies = max(b["host_copies"] for b in summary.batch_layout)
             real = "-"
             if args.real_step == "all" or args.real_step == key:
                 stats = real_step(shapes, swap_times, args.num_arenas)

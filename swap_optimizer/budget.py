@@ -17,7 +17,7 @@ import torch
 from .devices import DeviceLike, resolve_device
 
 if TYPE_CHECKING:
-    from ._C import StagingSummary  # what _C.plan_staging and _C.plan_rule_staging return
+    from ._C import StagingSummary  # what _C.summarize_staging and _C.summarize_rule_staging return
 
 # torch's CUDA caching allocator rounds every block up to a multiple of this,
 # and max_memory_allocated counts the rounded sizes.
@@ -120,15 +120,15 @@ class StepCostModel:
                 "per step")
 
     def predict(self, summary: StagingSummary, num_arenas: int) -> dict:
-        """Predicted seconds of one step of the plan `summary` (plan_staging's),
+        """Predicted seconds of one step of the plan `summary` (summarize_staging's),
         replaying the pipeline's order: batch b is copied in once the arena of
         batch b - num_arenas is copied out, updated once copied in, copied out
         once updated; with 2 arenas copies in and out share one queue, with 3 or
         more they run on two, sharing the link's both-ways bandwidth while both
         move. The resident batch updates first, beside the first copies in."""
-        rotating = [b for b in summary.plan if not b["resident"]]
+        rotating = [b for b in summary.batch_layout if not b["resident"]]
         # Resident batches (one per group) use the store at absolute offsets: the last one ends where it does.
-        resident = max((b["arena_bytes"] for b in summary.plan if b["resident"]), default=0)
+        resident = max((b["arena_bytes"] for b in summary.batch_layout if b["resident"]), default=0)
         compute_free = resident / self.update_bytes_per_s + (self.batch_seconds if resident else 0.0)
         update_seconds = compute_free
         shared_queue = min(num_arenas, len(rotating)) < 3  # as the runtime: two queues from 3 arenas in use
@@ -197,7 +197,7 @@ def resident_share(summary: StagingSummary) -> float:
 
 
 @dataclass
-class PlanChoice:
+class BudgetChoice:
     """One plan the planner weighed: its settings, the params it keeps
     resident beyond min_numel and state_keys, its device bytes and predicted
     step time."""
@@ -222,18 +222,18 @@ LayOut = Callable[[list[bool], int, int], "StagingSummary"]
 
 
 def evaluate(lay_out: LayOut, swappable: list[bool], swap_times: int, num_arenas: int, base: Sequence[bool],
-             extra_bytes: int, cost_model: StepCostModel) -> PlanChoice:
+             extra_bytes: int, cost_model: StepCostModel) -> BudgetChoice:
     summary = lay_out(swappable, swap_times, num_arenas)
     # Past the finest split the plan is the finest one: name it by that count.
     swap_times = max(1, min(swap_times, summary.finest_swap_times))
-    return PlanChoice(swap_times, num_arenas, list(swappable),
-                      tuple(i for i, (b, s) in enumerate(zip(base, swappable)) if b and not s), summary,
-                      device_bytes(summary, num_arenas, extra_bytes), cost_model.predict(summary, num_arenas))
+    return BudgetChoice(swap_times, num_arenas, list(swappable),
+                        tuple(i for i, (b, s) in enumerate(zip(base, swappable)) if b and not s), summary,
+                        device_bytes(summary, num_arenas, extra_bytes), cost_model.predict(summary, num_arenas))
 
 
 def _fill(lay_out: LayOut, base: list[bool], start: list[bool], priority: Sequence[int], budget: int,
           swap_times: int, num_arenas: int, staging_cap: Optional[int], extra_bytes: int,
-          cost_model: StepCostModel) -> Optional[PlanChoice]:
+          cost_model: StepCostModel) -> Optional[BudgetChoice]:
     """The plan at (swap_times, num_arenas) that keeps resident the params
     `start` does not swap and then, in priority order, every param whose state
     still fits beside the staging; None if none fits."""
@@ -304,9 +304,9 @@ def swap_times_ladder(finest: int) -> tuple[list[int], list[int]]:
     return first, rest + ([finest] if finest > _SWAP_TIMES_LADDER[-1] else [])
 
 
-def choose_plan(lay_out: LayOut, base: list[bool], priority: Sequence[int], budget: int, *,
-                swap_times: Optional[int], num_arenas: Optional[int], staging_cap: Optional[int],
-                extra_bytes: int, cost_model: StepCostModel) -> tuple[Optional[PlanChoice], list[PlanChoice]]:
+def choose_for_budget(lay_out: LayOut, base: list[bool], priority: Sequence[int], budget: int, *,
+                      swap_times: Optional[int], num_arenas: Optional[int], staging_cap: Optional[int],
+                      extra_bytes: int, cost_model: StepCostModel) -> tuple[Optional[BudgetChoice], list[BudgetChoice]]:
     """(the plan with the least predicted step time within `budget`, every
     plan weighed). swap_times / num_arenas, when given, are kept; the others
     are searched over a ladder of counts and 2-4 arenas. `base` says which
@@ -315,7 +315,7 @@ def choose_plan(lay_out: LayOut, base: list[bool], priority: Sequence[int], budg
     finest = lay_out(list(base), 1, 2).finest_swap_times
     counts, more_counts = ([swap_times], []) if swap_times is not None else swap_times_ladder(finest)
     arenas = [num_arenas] if num_arenas is not None else list(_ARENA_CHOICES)
-    weighed: list[PlanChoice] = []
+    weighed: list[BudgetChoice] = []
     seen = set()
 
     def weigh(start: list[bool]) -> None:
@@ -330,7 +330,7 @@ def choose_plan(lay_out: LayOut, base: list[bool], priority: Sequence[int], budg
                     seen.add(key)
                     weighed.append(choice)
 
-    def fastest() -> PlanChoice:
+    def fastest() -> BudgetChoice:
         return min(weighed, key=lambda c: (round(c.prediction["seconds"], 9), c.device["total"], c.swap_times,
                                            c.num_arenas))
 
@@ -384,15 +384,15 @@ class PlanReport(dict):
         return "\n".join(lines)
 
 
-def neighbours(lay_out: LayOut, chosen: PlanChoice, base: list[bool], budget: Optional[int], extra_bytes: int,
-               cost_model: StepCostModel) -> list[PlanChoice]:
+def neighbours(lay_out: LayOut, chosen: BudgetChoice, base: list[bool], budget: Optional[int], extra_bytes: int,
+               cost_model: StepCostModel) -> list[BudgetChoice]:
     """The plans next to `chosen`: half and twice its swap_times, one arena
     fewer and more, no extra resident param, and (with a budget) every
     candidate resident kept resident."""
     finest = chosen.summary.finest_swap_times
     out = []
 
-    def layout_key(c: PlanChoice) -> tuple:
+    def layout_key(c: BudgetChoice) -> tuple:
         return (c.summary.batches, c.summary.largest_arena_bytes, min(c.num_arenas, c.summary.batches))
 
     for s, a in ((chosen.swap_times // 2, chosen.num_arenas), (chosen.swap_times * 2, chosen.num_arenas),
@@ -406,9 +406,9 @@ def neighbours(lay_out: LayOut, chosen: PlanChoice, base: list[bool], budget: Op
     return out
 
 
-def report(chosen: PlanChoice, others: list[PlanChoice], budget: Optional[int], cost_model: StepCostModel,
+def report(chosen: BudgetChoice, others: list[BudgetChoice], budget: Optional[int], cost_model: StepCostModel,
            advice: list[str]) -> PlanReport:
-    def row(choice: PlanChoice) -> dict:
+    def row(choice: BudgetChoice) -> dict:
         values = choice.row
         values["fits"] = budget is None or choice.device["total"] <= budget
         values["device_bytes_by_part"] = dict(choice.device)
@@ -441,16 +441,16 @@ def copy_bytes(params: Sequence[torch.Tensor], amp_clones: bool) -> int:
     return strided + (2 * ALLOCATOR_GRANULE if amp_clones else 0)
 
 
-def plan_for_budget(config, budget: int, lay_out: LayOut, base: list[bool], extra_bytes: int,
-                    device: torch.device, priority: Optional[Sequence[int]] = None) -> PlanChoice:
+def choice_for_budget(config, budget: int, lay_out: LayOut, base: list[bool], extra_bytes: int,
+                      device: torch.device, priority: Optional[Sequence[int]] = None) -> BudgetChoice:
     """The plan for a device budget (config.device_budget_bytes, or what
     "auto" made of it): the fastest predicted one that fits; refuses, saying
     what takes the room, when none does."""
     cost_model = config.cost_model or StepCostModel.for_device(device)
     priority = range(len(base)) if priority is None else priority
-    best, _ = choose_plan(lay_out, base, priority, budget, swap_times=config.swap_times,
-                          num_arenas=config.num_arenas, staging_cap=config.staging_budget_bytes,
-                          extra_bytes=extra_bytes, cost_model=cost_model)
+    best, _ = choose_for_budget(lay_out, base, priority, budget, swap_times=config.swap_times,
+                                num_arenas=config.num_arenas, staging_cap=config.staging_budget_bytes,
+                                extra_bytes=extra_bytes, cost_model=cost_model)
     if best is not None:
         return best
     least, residents = smallest_device_bytes(lay_out, base, extra_bytes, config.swap_times, config.num_arenas)
@@ -494,11 +494,11 @@ class Planning:
     base: list[bool]
     copy_bytes: int
     budget: Optional[int]
-    choice: Optional[PlanChoice]
+    choice: Optional[BudgetChoice]
     swap_times: int
     num_arenas: int
     # (chosen plan, cost model) -> advice on compact states, which only the user may choose
-    advice: Callable[[PlanChoice, StepCostModel], list[str]] = lambda chosen, cost_model: []
+    advice: Callable[[BudgetChoice, StepCostModel], list[str]] = lambda chosen, cost_model: []
 
     @classmethod
     def make(cls, config, budget: Optional[int], lay_out: LayOut, base: list[bool], copies: int,
@@ -511,7 +511,7 @@ class Planning:
         swap_times, num_arenas = config.fixed_swap_times, config.fixed_num_arenas
         choice = None
         if budget is not None:
-            choice = plan_for_budget(config, budget, lay_out, base, copies, device, priority)
+            choice = choice_for_budget(config, budget, lay_out, base, copies, device, priority)
             swap_times, num_arenas = choice.swap_times, choice.num_arenas
         elif config.staging_budget_bytes is not None and config.swap_times is None:  # ("auto" before its budget)
             swap_times = staging_budget_swap_times()

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .budget import AutoBudget, allocated, budget_stats, plan_for_budget
+from .budget import AutoBudget, allocated, budget_stats, choice_for_budget
 from .config import SwapOptimizerConfig
 from .overlap import ForwardOverlap
 from .params import check_distinct, check_overlap_params, check_params
@@ -414,7 +414,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         ranks = self._ranks_now()
         return [] if ranks is None else list(ranks)
 
-    def _settle_plan(self) -> None:
+    def _settle_budget_choice(self) -> None:
         """At a step boundary (the last step is done, this one has not begun):
         with overlap_forward, adopts the forward's first reads once a probe has
         seen them, once per set of params (a forward whose calls vary from step
@@ -430,12 +430,12 @@ class SwapOptimizer(torch.optim.Optimizer):
             return  # an "auto" move took the first reads along
         planning = self._planning
         try:
-            choice = plan_for_budget(self.config, self._budget_now(), planning.lay_out, planning.base,
-                                     planning.copy_bytes, self._device, self._resident_priority())
+            choice = choice_for_budget(self.config, self._budget_now(), planning.lay_out, planning.base,
+                                       planning.copy_bytes, self._device, self._resident_priority())
             if not choice.resident_params and not (planning.choice and planning.choice.resident_params):
                 return  # the budget keeps no param resident either way: moving would change nothing
             # On failure the old layout, param order, is laid out again, and kept.
-            self._move_to_new_plan(lambda: setattr(self, "_ranked_by", (ids, None)))
+            self._move_to_budget_choice(lambda: setattr(self, "_ranked_by", (ids, None)))
         except Exception as error:
             self._ranked_by = (ids, None)  # not retried for these params
             if self._runtime is None:  # the old layout could not be laid out again either
@@ -459,8 +459,8 @@ class SwapOptimizer(torch.optim.Optimizer):
             return False
         refusal = None
         try:  # planned first, nothing allocated: a budget no plan fits leaves the store as it is
-            plan_for_budget(self.config, budget, planning.lay_out, planning.base, planning.copy_bytes, self._device,
-                            self._resident_priority())
+            choice_for_budget(self.config, budget, planning.lay_out, planning.base, planning.copy_bytes, self._device,
+                              self._resident_priority())
         except ValueError as error:
             refusal = str(error)
         # Every rank moves, or none does (each plans for its own shards).
@@ -470,7 +470,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             warnings.warn(f"SwapOptimizer: device_budget_bytes='auto' derived {budget} bytes, {why}; the plan stays "
                           "as given", RuntimeWarning, stacklevel=4)
             return False
-        self._move_to_new_plan(lambda: self._auto.measured.update(budget_bytes=None))
+        self._move_to_budget_choice(lambda: self._auto.measured.update(budget_bytes=None))
         stats = self.memory_stats()
         _log.info("SwapOptimizer: device_budget_bytes='auto' is %d bytes after %d warm-up steps (%s); the states "
                   "moved to swap_times=%d, num_arenas=%d, resident share %.1f%%", budget, self._auto.warmup_steps,
@@ -478,7 +478,7 @@ class SwapOptimizer(torch.optim.Optimizer):
                   stats["plan"]["swap_times"], stats["plan"]["num_arenas"], 100 * stats["resident_share"])
         return True
 
-    def _move_to_new_plan(self, undo: Callable[[], None]) -> None:
+    def _move_to_budget_choice(self, undo: Callable[[], None]) -> None:
         """Lays the store out for the budget now in force and moves every state
         into it byte for byte. The device part of the old store is copied to
         host memory and freed before the new store is allocated, so no state is
@@ -559,7 +559,7 @@ class SwapOptimizer(torch.optim.Optimizer):
     @_on_the_optimizer_itself
     def _batch_plan(self) -> list[dict]:
         """The batches in pipeline order (with overlap_forward, block order)."""
-        plan = self._runtime.batch_plan()
+        plan = self._runtime.batch_layout()
         return [plan[b] for b in self._runtime.pipeline_order()]
 
     @_on_the_optimizer_itself

@@ -469,10 +469,10 @@ def _wait_for_dropped_step(runtime) -> None:
         runtime.wait_step()
     except Exception as error:  # noqa: BLE001  (reported, not swallowed)
         warnings.warn(f"SwapOptimizer(overlap_forward=True) was dropped (or the interpreter exited) while its last "
-                      f"step was still running, and that step failed: {error}. The params that step had not reached keep their values "
-                      "from before it (a param cut into pieces may be partly updated); load the last checkpoint "
-                      "into a new optimizer, or keep the optimizer and call optimizer.wait() after the last "
-                      "step() to see such a failure raised", RuntimeWarning, stacklevel=3)
+                      f"step was still running, and that step failed: {error}. The params that step had not reached "
+                      "keep their values from before it (a param cut into pieces may be partly updated); load the "
+                      "last checkpoint into a new optimizer, or keep the optimizer and call optimizer.wait() after "
+                      "the last step() to see such a failure raised", RuntimeWarning, stacklevel=3)
 
 # Tests only: the rules ForwardOverlap.knocked_out_rules may switch off, one at
 # a time, each caught by its own test in tests/overlap/test_overlap_mutations.py.
@@ -702,7 +702,7 @@ class ForwardOverlap:
         runtime.set_batch_order(rank)
         position_of = {batch: position for position, batch in enumerate(runtime.pipeline_order())}
         last = [-1] * count
-        for batch, plan in enumerate(runtime.batch_plan()):
+        for batch, plan in enumerate(runtime.batch_layout()):
             for i in plan["params"]:
                 last[i] = max(last[i], position_of[batch])
         self._param_positions = last

@@ -10,9 +10,9 @@ it is built (no weights, no GPU).
 Every SwapOptimizer figure comes from the runtime's own layout on meta tensors
 (memory_stats() of a real step equals it): the rule SwapOptimizer chooses for
 the optimizer in each state mode (rules.choose_rule, its check_wrap) lays the
-store out with `_C.plan_rule_staging` from the rows the rule itself builds
+store out with `_C.summarize_rule_staging` from the rows the rule itself builds
 (torch's own update: TorchUpdateRule.layouts_for and store_rows, compact
-states and Kahan included) or `_C.plan_staging` (the packed Adam kernel:
+states and Kahan included) or `_C.summarize_staging` (the packed Adam kernel:
 Adam/AdamW's compact states, master weights, Kahan); then the device budget's
 planner and its cost model (swap_optimizer.budget). The activations are an
 estimate (see activation_bytes)."""
@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import torch
 
 from . import _C
-from .budget import (StepCostModel, allocated, choose_plan, device_bytes, fused_op_table_bytes, resident_share,
+from .budget import (StepCostModel, allocated, choose_for_budget, device_bytes, fused_op_table_bytes, resident_share,
                      smallest_device_bytes)
 from .compact import MIN_QUANTIZED_NUMEL
 from .config import SwapOptimizerConfig
@@ -307,29 +307,30 @@ class Planner:
             swap_keys = [True] * len(store.keys)
 
             def lay_out_states(swappable: list, swap_times: int, num_arenas: int) -> _C.StagingSummary:
-                summary = _C.plan_rule_staging(self.params, store.rows, swappable, splittable, swap_keys,
-                                               swap_times=swap_times, num_arenas=num_arenas)
+                summary = _C.summarize_rule_staging(self.params, store.rows, swappable, splittable, swap_keys,
+                                                    swap_times=swap_times, num_arenas=num_arenas)
                 return summary.with_update_temporary_bytes(update_temporaries(
-                    rule.declaration, self.optimizer.param_groups, summary.plan, store.rows, PLANNED_DEVICE,
+                    rule.declaration, self.optimizer.param_groups, summary.batch_layout, store.rows, PLANNED_DEVICE,
                     store.scratch))
             return lay_out_states
         config = SwapOptimizerConfig(**STATE_MODES[mode])
         quantized = [n >= MIN_QUANTIZED_NUMEL for n in self.whole_numels] if config.state_dtype == torch.uint8 else []
 
         def lay_out(swappable: list, swap_times: int, num_arenas: int) -> _C.StagingSummary:
-            summary = _C.plan_staging(self.params, [0] * len(self.params), [False], swappable,
-                                      swap_times=swap_times, num_arenas=num_arenas, state_dtype=config.state_dtype,
-                                      master_weights=config.master_weights, swap_keys=config.runtime_swap_keys(),
-                                      kahan_summation=config.kahan_summation, quantized_params=quantized)
-            return summary.with_update_temporary_bytes(fused_op_table_bytes(summary.plan))  # as SwapOptimizer counts
+            summary = _C.summarize_staging(self.params, [0] * len(self.params), [False], swappable,
+                                           swap_times=swap_times, num_arenas=num_arenas, state_dtype=config.state_dtype,
+                                           master_weights=config.master_weights, swap_keys=config.runtime_swap_keys(),
+                                           kahan_summation=config.kahan_summation, quantized_params=quantized)
+            # as SwapOptimizer counts
+            return summary.with_update_temporary_bytes(fused_op_table_bytes(summary.batch_layout))
         return lay_out
 
     def best_plan(self, mode: str, budget: int, swap_times: Optional[int], num_arenas: Optional[int]):
-        """choose_plan's choice within `budget`, as SwapOptimizer(device_budget_bytes=budget) makes it."""
+        """choose_for_budget's choice within `budget`, as SwapOptimizer(device_budget_bytes=budget) makes it."""
         swappable = self.swappable(mode)
-        best, _ = choose_plan(self.lay_out(mode), swappable, range(len(swappable)), budget,
-                              swap_times=swap_times, num_arenas=num_arenas, staging_cap=None, extra_bytes=0,
-                              cost_model=self.cost_model)
+        best, _ = choose_for_budget(self.lay_out(mode), swappable, range(len(swappable)), budget,
+                                    swap_times=swap_times, num_arenas=num_arenas, staging_cap=None, extra_bytes=0,
+                                    cost_model=self.cost_model)
         return best
 
     def swap_row(self, memory: Memory, plan: str, settings: str, summary: _C.StagingSummary, swap_times: int,

@@ -66,9 +66,9 @@ FaultPoint parse_fault(const std::optional<std::string>& name) {
   TORCH_CHECK_VALUE(false, "fault must be None, 'stage_in', 'update', 'update_last_call' or 'interrupt', got '", *name, "'");
 }
 
-py::list batch_plan(const runtime::StorePlan& plan) {
+py::list batch_layout(const runtime::StoreLayout& layout) {
   py::list batches;
-  for (const runtime::BatchPlan& b : plan.batches) {
+  for (const runtime::BatchLayout& b : layout.batches) {
     py::list params, pieces, arena_offsets;
     for (const runtime::PieceRow& row : b.rows) {
       params.append(row.slot);
@@ -88,10 +88,10 @@ py::list batch_plan(const runtime::StorePlan& plan) {
   return batches;
 }
 
-// What plan_staging and plan_rule_staging report of a plan: the device and host
-// bytes it lays out, its batches, and each param's state bytes (every key it
-// keeps, swapped or resident), from which the device budget's planner chooses
-// the params to keep resident, and the state bytes that go to host memory.
+// What summarize_staging and summarize_rule_staging report of a store layout:
+// the device and host bytes it lays out, its batches, and each param's state
+// bytes (every key it keeps, swapped or resident), from which the budget search
+// chooses the params to keep resident, and the state bytes that go to host memory.
 // Every field is declared here, once, update_temporary_bytes too, which the
 // Python layer sets (with_update_temporary_bytes) for the update it runs.
 #define SWAP_STAGING_SUMMARY_FIELDS(X)                                                           \
@@ -106,7 +106,7 @@ py::list batch_plan(const runtime::StorePlan& plan) {
   X(int64_t, finest_swap_times)                                                                 \
   X(std::vector<int64_t>, param_state_bytes)  /* per param, every key it keeps */              \
   X(int64_t, swapped_state_bytes)  /* exact, without the regions' alignment or the step table */ \
-  X(py::tuple, plan)               /* per batch, as SwapRuntime.batch_plan() lists it */        \
+  X(py::tuple, batch_layout)       /* per batch, as SwapRuntime.batch_layout() lists it */        \
   X(int64_t, update_temporary_bytes)  /* device bytes the update allocates beside the arenas */
 
 struct StagingSummary {
@@ -124,7 +124,7 @@ struct StagingSummary {
   }
 
   // From keyword arguments, one per field (update_temporary_bytes may be left
-  // out: 0); the plan may be any sequence.
+  // out: 0); the batch layout may be any sequence.
   static StagingSummary from_fields(const py::kwargs& fields) {
     StagingSummary summary;
     size_t read = 0;
@@ -154,17 +154,17 @@ struct StagingSummary {
   }
 };
 
-StagingSummary plan_summary(const runtime::StorePlan& plan, const std::vector<runtime::SlotSpec>& specs,
-                            const KeyFlags& swap_keys, int64_t num_arenas) {
+StagingSummary summary_of(const runtime::StoreLayout& layout, const std::vector<runtime::SlotSpec>& specs,
+                          const KeyFlags& swap_keys, int64_t num_arenas) {
   StagingSummary summary;
-  summary.host_state_bytes = plan.host_bytes;
-  summary.staging_bytes = runtime::staging_bytes_of(plan, num_arenas);
-  summary.largest_arena_bytes = plan.staging_arena_bytes;
-  summary.step_table_bytes = plan.step_table_bytes;
-  summary.resident_state_bytes = plan.resident_store_bytes;
-  summary.batches = plan.rotating_batches;
-  summary.split_params = plan.split_params;
-  summary.moved_bytes = plan.moved_bytes;
+  summary.host_state_bytes = layout.host_bytes;
+  summary.staging_bytes = runtime::staging_bytes_of(layout, num_arenas);
+  summary.largest_arena_bytes = layout.staging_arena_bytes;
+  summary.step_table_bytes = layout.step_table_bytes;
+  summary.resident_state_bytes = layout.resident_store_bytes;
+  summary.batches = layout.rotating_batches;
+  summary.split_params = layout.split_params;
+  summary.moved_bytes = layout.moved_bytes;
   summary.finest_swap_times = runtime::finest_swap_times(specs);
   for (const runtime::SlotSpec& spec : specs) {
     int64_t bytes = 0;
@@ -176,7 +176,7 @@ StagingSummary plan_summary(const runtime::StorePlan& plan, const std::vector<ru
     }
     summary.param_state_bytes.push_back(bytes);
   }
-  summary.plan = py::tuple(batch_plan(plan));
+  summary.batch_layout = py::tuple(batch_layout(layout));
   return summary;
 }
 
@@ -198,7 +198,7 @@ runtime::StateLayout state_layout(const StateDeclaration& state) {
   return {runtime::StateKind::kWhole, unit_bytes, 1};
 }
 
-// Another optimizer's slots as the store plan sees them, and the names,
+// Another optimizer's slots as the store layout sees them, and the names,
 // dtypes and shapes of their views.
 std::vector<runtime::SlotSpec> rule_slot_specs(const std::vector<at::Tensor>& params,
                                                const std::vector<std::vector<StateDeclaration>>& states,
@@ -308,9 +308,9 @@ using RuntimeHolder = std::unique_ptr<SwapRuntime, DeleteWithoutGil>;
 void bind_runtime(py::module& module) {
   py::class_<StagingSummary> staging_summary(
       module, "StagingSummary",
-      "What plan_staging and plan_rule_staging report of a plan, read-only: host, staging and resident bytes, "
-      "batches, split params, bytes moved each way, the finest swap_times, each param's state bytes, the swapped "
-      "state bytes, the batch plan, and the device bytes the update allocates beside the arenas. "
+      "What summarize_staging and summarize_rule_staging report of a store layout, read-only: host, staging and "
+      "resident bytes, batches, split params, bytes moved each way, the finest swap_times, each param's state bytes, "
+      "the swapped state bytes, the batch layout, and the device bytes the update allocates beside the arenas. "
       "StagingSummary(**fields) makes one (update_temporary_bytes may be left out).");
 #define SWAP_BIND_FIELD(type, name) staging_summary.def_readonly(#name, &StagingSummary::name);
   SWAP_STAGING_SUMMARY_FIELDS(SWAP_BIND_FIELD)
@@ -430,7 +430,7 @@ void bind_runtime(py::module& module) {
       .def("has_deferred_step", &SwapRuntime::has_deferred_step, py::call_guard<py::gil_scoped_release>(),
            "Whether a deferred step has not been waited for yet.")
       .def("pipeline_order", &SwapRuntime::pipeline_order, py::call_guard<py::gil_scoped_release>(),
-           "The plan index of the batch at each pipeline position.")
+           "The layout index of the batch at each pipeline position.")
       .def("enable_timeline", &SwapRuntime::enable_timeline, py::arg("enabled"),
            py::call_guard<py::gil_scoped_release>(), "Benchmark only: note each batch's copy and update times.")
       .def("timeline", &SwapRuntime::timeline, py::call_guard<py::gil_scoped_release>(),
@@ -460,13 +460,13 @@ void bind_runtime(py::module& module) {
              stats["held_grad_bytes"] = s.held_grad_bytes;
              // What one swapped param element costs the link, states, scales and step table included.
              stats["bytes_per_param_each_way"] =
-                 s.swapped_elements > 0 ? static_cast<double>(self.plan().moved_bytes) / s.swapped_elements : 0.0;
+                 s.swapped_elements > 0 ? static_cast<double>(self.layout().moved_bytes) / s.swapped_elements : 0.0;
              return stats;
            })
       .def("set_rounding_seed", &SwapRuntime::set_rounding_seed, py::arg("seed"),
            py::call_guard<py::gil_scoped_release>(),
            "Reseeds the stochastic rounding of bf16 moments (a loaded checkpoint's seed).")
-      .def("batch_plan", [](const SwapRuntime& self) { return batch_plan(self.plan()); },
+      .def("batch_layout", [](const SwapRuntime& self) { return batch_layout(self.layout()); },
            "The batches in pipeline order: param indices, pieces (param, element offset, count), the bytes "
            "each moves each way and its arena bytes.")
       .def("order_writes", &SwapRuntime::order_writes, py::call_guard<py::gil_scoped_release>(),
@@ -529,7 +529,7 @@ void bind_runtime(py::module& module) {
       "transport and host memory, median of `repeats` copies of `bytes`.");
 
   module.def(
-      "plan_staging",
+      "summarize_staging",
       [](const std::vector<at::Tensor>& params, const std::vector<int64_t>& group_of_param,
          const std::vector<bool>& group_amsgrad, const std::vector<bool>& swappable, int64_t swap_times,
          int64_t num_arenas, std::optional<c10::ScalarType> state_dtype, bool master_weights,
@@ -539,31 +539,31 @@ void bind_runtime(py::module& module) {
                                                     {kahan_summation, std::nullopt, {}, quantized_params});
         const std::vector<runtime::SlotSpec> specs =
             runtime::make_slot_specs(params, group_of_param, group_amsgrad, swappable, options);
-        return plan_summary(runtime::plan_store(specs, options.swap_keys, swap_times, runtime::kAdamStepBytes), specs,
-                            options.swap_keys, num_arenas);
+        return summary_of(runtime::lay_out_store(specs, options.swap_keys, swap_times, runtime::kAdamStepBytes), specs,
+                          options.swap_keys, num_arenas);
       },
       py::arg("params"), py::arg("group_of_param"), py::arg("group_amsgrad"), py::arg("swappable"),
       py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"), py::arg("state_dtype"),
       py::arg("master_weights"), py::arg("swap_keys"), py::arg("kahan_summation") = false,
       py::arg("quantized_params") = std::vector<bool>{},
       "The layout a SwapRuntime would use, without allocating it: host, staging and resident bytes, batches, "
-      "split params, bytes moved each way, the finest swap_times, each param's state bytes and the batch plan. "
+      "split params, bytes moved each way, the finest swap_times, each param's state bytes and the batch layout. "
       "Params may be meta tensors (only numel and dtype are read); quantized_params as for SwapRuntime.");
 
   module.def(
-      "plan_rule_staging",
+      "summarize_rule_staging",
       [](const std::vector<at::Tensor>& params, const std::vector<std::vector<StateDeclaration>>& states,
          const std::vector<bool>& swappable, const std::vector<bool>& splittable, const std::vector<bool>& swap_keys,
          int64_t swap_times, int64_t num_arenas) {
         const RuntimeOptions options = make_options(swap_times, num_arenas, std::nullopt, false, true, false,
                                                     swap_keys);
         const std::vector<runtime::SlotSpec> specs = rule_slot_specs(params, states, swappable, splittable, nullptr);
-        return plan_summary(runtime::plan_store(specs, options.swap_keys, swap_times, 0), specs, options.swap_keys,
-                            num_arenas);
+        return summary_of(runtime::lay_out_store(specs, options.swap_keys, swap_times, 0), specs, options.swap_keys,
+                          num_arenas);
       },
       py::arg("params"), py::arg("states"), py::arg("swappable"), py::arg("splittable"), py::arg("swap_keys"),
       py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"),
-      "As plan_staging, for another optimizer's states (declared as for SwapRuntime's second constructor), "
+      "As summarize_staging, for another optimizer's states (declared as for SwapRuntime's second constructor), "
       "nothing allocated.");
 
   module.def(

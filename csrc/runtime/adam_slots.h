@@ -1,4 +1,4 @@
-// Adam/AdamW's states as the store plan sees them: eight keys (moments,
+// Adam/AdamW's states as the store layout sees them: eight keys (moments,
 // master weights, 8-bit scales, Kahan buffers), the slots a param's settings
 // make of them, and the names and dtypes their views carry. The fused Adam op
 // reads the arena offsets of these keys from its layout table.
@@ -6,7 +6,7 @@
 
 #include "../kernels/adam_vocabulary.h"
 #include "runtime_options.h"
-#include "store_plan.h"
+#include "store_layout.h"
 
 #include <ATen/core/Tensor.h>
 

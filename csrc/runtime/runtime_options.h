@@ -5,7 +5,7 @@
 #pragma once
 
 #include "../kernels/adam_vocabulary.h"
-#include "store_plan.h"
+#include "store_layout.h"
 
 #include <c10/core/ScalarType.h>
 

@@ -64,14 +64,14 @@ int64_t SwapRuntime::Step::release_through(int64_t position) {
 }
 
 void SwapRuntime::Step::stage_in_step_table() {
-  const int64_t bytes = runtime_.plan_.host_region_bytes[kStepTableRegion];
+  const int64_t bytes = runtime_.layout_.host_region_bytes[kStepTableRegion];
   if (bytes == 0) return;
   runtime_.transport_->copy_to_device({runtime_.device_steps_.data_ptr(), bytes,
                                        runtime_.host_slabs_[kStepTableRegion].data_ptr(), bytes, bytes, 1});
 }
 
 void SwapRuntime::Step::stage_out_step_table() {
-  const int64_t bytes = runtime_.plan_.host_region_bytes[kStepTableRegion];
+  const int64_t bytes = runtime_.layout_.host_region_bytes[kStepTableRegion];
   if (bytes == 0) return;
   runtime_.transport_->copy_to_host({runtime_.host_slabs_[kStepTableRegion].data_ptr(), bytes,
                                      runtime_.device_steps_.data_ptr(), bytes, bytes, 1});
@@ -83,7 +83,7 @@ void SwapRuntime::Step::stage_in(int64_t position, int slot) {
   Transport& transport = *runtime_.transport_;
   transport.stamp(Queue::kHostToDevice, stamp_index(position, kCopyInStamp));
   auto* arena = static_cast<uint8_t*>(runtime_.arena_for(batch, slot).data_ptr());
-  for (const RegionCopy& copy : runtime_.plan_.batches[batch].host_copies) {
+  for (const RegionCopy& copy : runtime_.layout_.batches[batch].host_copies) {
     transport.copy_to_device({arena + copy.arena_offset, copy.arena_pitch, host_at(copy), copy.pitch,
                               copy.width, copy.rows});
   }
@@ -95,7 +95,7 @@ void SwapRuntime::Step::stage_out(int64_t position, int slot) {
   Transport& transport = *runtime_.transport_;
   transport.stamp(Queue::kDeviceToHost, stamp_index(position, kCopyOutStamp));
   const auto* arena = static_cast<const uint8_t*>(runtime_.arena_for(batch, slot).data_ptr());
-  for (const RegionCopy& copy : runtime_.plan_.batches[batch].host_copies) {
+  for (const RegionCopy& copy : runtime_.layout_.batches[batch].host_copies) {
     transport.copy_to_host({host_at(copy), copy.pitch, arena + copy.arena_offset, copy.arena_pitch,
                             copy.width, copy.rows});
   }
@@ -109,7 +109,7 @@ void SwapRuntime::Step::between_batches(int64_t next_position) {
     std::raise(SIGINT);
   }
   const int64_t batch = runtime_.order_[next_position];
-  const bool cuts_a_param = runtime_.plan_.batches[batch].rows.front().element_offset > 0;
+  const bool cuts_a_param = runtime_.layout_.batches[batch].rows.front().element_offset > 0;
   if (check_interrupt_ && !cuts_a_param) check_interrupt_();
 }
 
@@ -120,7 +120,7 @@ void SwapRuntime::Step::update(int64_t position, int slot) {
   transport.delay_compute();  // test hook
   transport.stamp(Queue::kCompute, stamp_index(position, kUpdateStamp));
   const int64_t batch = runtime_.order_[position];
-  const BatchPlan& plan = runtime_.plan_.batches[batch];
+  const BatchLayout& plan = runtime_.layout_.batches[batch];
   const at::Tensor arena = runtime_.arena_for(batch, slot);
   // States kept on the device join the arena for the update and go back after it.
   // Row by row: each a contiguous copy (a strided uint8 copy_ would run
@@ -148,7 +148,7 @@ void SwapRuntime::Step::update(int64_t position, int slot) {
 }
 
 bool SwapRuntime::Step::row_updated(int64_t batch, int64_t row) const {
-  if (!has_grad_[runtime_.plan_.batches[batch].rows[row].slot]) return false;
+  if (!has_grad_[runtime_.layout_.batches[batch].rows[row].slot]) return false;
   const int64_t position = runtime_.position_of_[batch];
   return position < progress_.first || (position == progress_.first && row < progress_.second);
 }
@@ -164,7 +164,7 @@ void* SwapRuntime::Step::host_at(const RegionCopy& copy) const {
 }
 
 void SwapRuntime::Step::update_rows(int64_t position, int64_t batch, const at::Tensor& arena) {
-  const BatchPlan& plan = runtime_.plan_.batches[batch];
+  const BatchLayout& plan = runtime_.layout_.batches[batch];
   const int64_t count = static_cast<int64_t>(plan.rows.size());
   if (runtime_.batch_update_) {
     inject(FaultPoint::kUpdateLastCall, position, "last op call");
@@ -196,7 +196,7 @@ void SwapRuntime::Step::update_rows(int64_t position, int64_t batch, const at::T
     }
     begin = end;
   }
-  const at::Tensor& layout = runtime_.layouts_[batch];
+  const at::Tensor& layout = runtime_.op_layout_tables_[batch];
   for (size_t r = 0; r < runs.size(); ++r) {
     const auto [begin, end] = runs[r];
     if (r + 1 == runs.size()) inject(FaultPoint::kUpdateLastCall, position, "last op call");
@@ -206,7 +206,7 @@ void SwapRuntime::Step::update_rows(int64_t position, int64_t batch, const at::T
   }
 }
 
-void SwapRuntime::Step::call_op(const BatchPlan& plan, int64_t begin, int64_t end, const at::Tensor& arena,
+void SwapRuntime::Step::call_op(const BatchLayout& plan, int64_t begin, int64_t end, const at::Tensor& arena,
                                 const at::Tensor& layout, const PackedUpdateArgs& args) {
   // Below autograd and ADInplaceOrView: the step bumps no param's version
   // counter (the op never did; the write-back of a strided param would), so
@@ -247,7 +247,7 @@ std::string SwapRuntime::tear_report(const Step& work, const std::optional<at::T
     // The device cannot say: assume the updates ran.
   }
   auto row_of = [&](int64_t batch, int64_t slot) {
-    const std::vector<PieceRow>& rows = plan_.batches[batch].rows;
+    const std::vector<PieceRow>& rows = layout_.batches[batch].rows;
     for (size_t r = 0; r < rows.size(); ++r) {
       if (rows[r].slot == slot) return static_cast<int64_t>(r);
     }
@@ -256,7 +256,7 @@ std::string SwapRuntime::tear_report(const Step& work, const std::optional<at::T
   std::string report;
   if (work.failed_rule_position() >= 0) {
     // An update rule that threw may have written any of its rows in part.
-    for (const PieceRow& row : plan_.batches[order_[work.failed_rule_position()]].rows) {
+    for (const PieceRow& row : layout_.batches[order_[work.failed_rule_position()]].rows) {
       if (std::find(torn_.begin(), torn_.end(), row.slot) != torn_.end()) continue;
       torn_.push_back(row.slot);
       std::ostringstream line;
@@ -266,8 +266,8 @@ std::string SwapRuntime::tear_report(const Step& work, const std::optional<at::T
       report += line.str();
     }
   }
-  for (int64_t i = 0; i < static_cast<int64_t>(plan_.slots.size()); ++i) {
-    const SlotPlacement& slot = plan_.slots[i];
+  for (int64_t i = 0; i < static_cast<int64_t>(layout_.slots.size()); ++i) {
+    const SlotPlacement& slot = layout_.slots[i];
     if (std::find(torn_.begin(), torn_.end(), i) != torn_.end()) continue;
     if (!slot.split || !work.row_updated(slot.first_batch, row_of(slot.first_batch, i)) ||
         work.row_updated(slot.last_batch, row_of(slot.last_batch, i))) {
@@ -351,7 +351,7 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
   if (deferred) {
     enqueue_deferred(work);
     step_pending_ = true;
-    stats_.h2d_bytes = stats_.d2h_bytes = plan_.moved_bytes;
+    stats_.h2d_bytes = stats_.d2h_bytes = layout_.moved_bytes;
     return;
   }
   allocate_arenas();
@@ -373,7 +373,7 @@ void SwapRuntime::step(const std::vector<at::Tensor>& params, const std::vector<
   }
   step_pending_ = true;
   if (!options_.keep_arenas) release_arenas();  // in stream order: compute waited for every copy
-  stats_.h2d_bytes = stats_.d2h_bytes = plan_.moved_bytes;
+  stats_.h2d_bytes = stats_.d2h_bytes = layout_.moved_bytes;
 }
 
 void SwapRuntime::rethrow_failure(const Step& work, std::exception_ptr failure) {

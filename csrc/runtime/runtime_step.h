@@ -75,7 +75,7 @@ class SwapRuntime::Step final : public BatchWork {
   // another optimizer's rule: one call for the batch.
   void update_rows(int64_t position, int64_t batch, const at::Tensor& arena);
 
-  void call_op(const BatchPlan& plan, int64_t begin, int64_t end, const at::Tensor& arena,
+  void call_op(const BatchLayout& plan, int64_t begin, int64_t end, const at::Tensor& arena,
                const at::Tensor& layout, const PackedUpdateArgs& args);
 
   SwapRuntime& runtime_;

@@ -28,7 +28,7 @@ at::Tensor own_storage_view(const at::Tensor& base, int64_t offset, c10::IntArra
 
 }  // namespace
 
-int64_t staging_bytes_of(const StorePlan& plan, int64_t num_arenas) {
+int64_t staging_bytes_of(const StoreLayout& plan, int64_t num_arenas) {
   return std::min(num_arenas, plan.rotating_batches) * plan.staging_arena_bytes + plan.step_table_bytes;
 }
 
@@ -36,7 +36,7 @@ int64_t smallest_swap_times_for_budget(const std::vector<SlotSpec>& specs, const
                                        int64_t step_bytes, int64_t num_arenas, int64_t budget_bytes,
                                        int64_t* smallest_possible_bytes) {
   auto staging_bytes = [&](int64_t swap_times) {
-    return staging_bytes_of(plan_store(specs, swap_keys, swap_times, step_bytes), num_arenas);
+    return staging_bytes_of(lay_out_store(specs, swap_keys, swap_times, step_bytes), num_arenas);
   };
   const int64_t most = finest_swap_times(specs);
   // Staging shrinks as batches are added until they come near a piece; among
@@ -133,26 +133,26 @@ void SwapRuntime::set_up() {
   TORCH_CHECK_VALUE(options_.resident_groups.empty() || options_.resident_groups.size() == params_.size(),
                     "SwapRuntime: one resident group per param, or none");
   for (size_t i = 0; i < options_.resident_groups.size(); ++i) specs_[i].resident_group = options_.resident_groups[i];
-  plan_ = plan_store(specs_, options_.swap_keys, options_.swap_times, step_bytes_);
+  layout_ = lay_out_store(specs_, options_.swap_keys, options_.swap_times, step_bytes_);
   // Streams, events, pinned slabs and the resident store belong to the params' device.
   const c10::DeviceGuard guard(device_);  // a no-op for CPU
 
-  arena_count_ = static_cast<int>(std::min(options_.num_arenas, plan_.rotating_batches));
+  arena_count_ = static_cast<int>(std::min(options_.num_arenas, layout_.rotating_batches));
   // One marker slot per arena and one per resident batch (so that no resident
   // batch waits for another's markers); copies in and out get their own queues
   // once there are three arenas to rotate.
   const bool separate_copy_queues = arena_count_ >= 3;
-  const int64_t resident_batches = static_cast<int64_t>(plan_.batches.size()) - plan_.rotating_batches;
+  const int64_t resident_batches = static_cast<int64_t>(layout_.batches.size()) - layout_.rotating_batches;
   transport_ = make_transport(device_, arena_count_ + static_cast<int>(std::max<int64_t>(resident_batches, 1)),
                               separate_copy_queues);
-  std::vector<int64_t> plan_order(plan_.batches.size());
+  std::vector<int64_t> plan_order(layout_.batches.size());
   for (size_t b = 0; b < plan_order.size(); ++b) plan_order[b] = static_cast<int64_t>(b);
   adopt_order(std::move(plan_order));
 
   // Host slabs: one exact-size allocation per host region of the plan.
   const bool pin = device_.is_cuda() && options_.pin_memory;
   pinned_ = pin;
-  for (const int64_t bytes : plan_.host_region_bytes) {
+  for (const int64_t bytes : layout_.host_region_bytes) {
     bool pinned = false;
     host_slabs_.push_back(allocate_host_slab(bytes, pin, &pinned));
     if (pin && !pinned && bytes > 0) {  // an empty region has nothing to pin
@@ -160,12 +160,12 @@ void SwapRuntime::set_up() {
       unpinned_bytes_ += bytes;
     }
   }
-  if (plan_.resident_store_bytes > 0) {
-    resident_store_ = at::zeros({plan_.resident_store_bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
+  if (layout_.resident_store_bytes > 0) {
+    resident_store_ = at::zeros({layout_.resident_store_bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
   }
 
   // The fused Adam op's layout tables: one row per whole param or piece, offsets from the arena's start.
-  for (const BatchPlan& batch : plan_.batches) {
+  for (const BatchLayout& batch : layout_.batches) {
     if (batch_update_) break;
     const int64_t count = static_cast<int64_t>(batch.rows.size());
     at::Tensor layout = at::empty({count, kLayoutColumns}, at::TensorOptions().dtype(at::kLong));
@@ -183,7 +183,7 @@ void SwapRuntime::set_up() {
       row[kRandomKey] = piece.slot;
       row[kGlobalOffset] = global_offset(piece.slot) + piece.element_offset;
     }
-    layouts_.push_back(layout);
+    op_layout_tables_.push_back(layout);
   }
 }
 
@@ -203,7 +203,7 @@ void SwapRuntime::adopt_order(std::vector<int64_t> order) {
   std::vector<int64_t> last_position(params_.size(), -1);
   for (size_t position = 0; position < order_.size(); ++position) {
     position_of_[order_[position]] = static_cast<int64_t>(position);
-    const BatchPlan& batch = plan_.batches[order_[position]];
+    const BatchLayout& batch = layout_.batches[order_[position]];
     slot_of_batch_.push_back(batch.resident ? arena_count_ + static_cast<int>(order_[position])
                                             : static_cast<int>(rotating++ % arena_count_));
     for (const PieceRow& row : batch.rows) last_position[row.slot] = static_cast<int64_t>(position);
@@ -226,8 +226,8 @@ void SwapRuntime::set_batch_order(const std::vector<int64_t>& rank_of_param) {
     int64_t first, end;
   };
   std::vector<Chain> chains;
-  for (int64_t b = 0; b < static_cast<int64_t>(plan_.batches.size()); ++b) {
-    const BatchPlan& batch = plan_.batches[b];
+  for (int64_t b = 0; b < static_cast<int64_t>(layout_.batches.size()); ++b) {
+    const BatchLayout& batch = layout_.batches[b];
     const bool continues = !batch.rows.empty() && batch.rows.front().element_offset > 0;
     if (!continues || chains.empty()) chains.push_back({std::numeric_limits<int64_t>::max(), b, b});
     Chain& chain = chains.back();
@@ -248,7 +248,7 @@ std::vector<int64_t> SwapRuntime::pipeline_order() const {
 }
 
 at::Tensor SwapRuntime::arena_for(int64_t batch, int slot) const {
-  const BatchPlan& plan = plan_.batches[batch];
+  const BatchLayout& plan = layout_.batches[batch];
   if (plan.resident) {  // params whose states (if any: SGD without momentum keeps none) stay on the device
     return resident_store_.defined() ? resident_store_.narrow(0, 0, plan.arena_bytes)
                                      : at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device_));
@@ -269,8 +269,8 @@ void SwapRuntime::clear_torn() {
 
 void SwapRuntime::allocate_arenas() {
   if (device_steps_.defined()) return;
-  const int64_t bytes = plan_.staging_arena_bytes;
-  const int64_t total = staging_bytes_of(plan_, options_.num_arenas);
+  const int64_t bytes = layout_.staging_arena_bytes;
+  const int64_t total = staging_bytes_of(layout_, options_.num_arenas);
   const int64_t simulated_free = hooks_.simulated_free_bytes;
   try {
     TORCH_CHECK_WITH(OutOfMemoryError, simulated_free < 0 || total <= simulated_free,
@@ -279,8 +279,8 @@ void SwapRuntime::allocate_arenas() {
       arenas_.push_back(at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_)));
     }
     // Adam's n floats (none for other rules); staging counts them as
-    // plan_.step_table_bytes (256-byte aligned, as allocators round).
-    device_steps_ = at::empty({plan_.host_region_bytes[kStepTableRegion] / kAdamStepBytes},
+    // layout_.step_table_bytes (256-byte aligned, as allocators round).
+    device_steps_ = at::empty({layout_.host_region_bytes[kStepTableRegion] / kAdamStepBytes},
                               at::TensorOptions().dtype(at::kFloat).device(device_));
   } catch (const c10::OutOfMemoryError& error) {
     arenas_.clear();
@@ -371,14 +371,14 @@ void SwapRuntime::set_rounding_seed(int64_t seed) {
 
 MemoryStats SwapRuntime::memory_stats() const {
   MemoryStats stats = stats_;
-  stats.host_state_bytes = plan_.host_bytes;
-  stats.step_table_bytes = plan_.step_table_bytes;
-  stats.split_params = plan_.split_params;
+  stats.host_state_bytes = layout_.host_bytes;
+  stats.step_table_bytes = layout_.step_table_bytes;
+  stats.split_params = layout_.split_params;
   stats.pinned = pinned_;
   stats.unpinned_host_bytes = unpinned_bytes_;
-  stats.resident_state_bytes = plan_.resident_store_bytes;
+  stats.resident_state_bytes = layout_.resident_store_bytes;
   for (const SlotSpec& spec : specs_) stats.swapped_elements += spec.swappable ? spec.numel : 0;
-  stats.batches = plan_.rotating_batches;
+  stats.batches = layout_.rotating_batches;
   stats.num_arenas = arena_count_;
   stats.held_grad_bytes = held_grad_bytes_;
   return stats;
@@ -397,7 +397,7 @@ int64_t SwapRuntime::global_offset(int64_t param) const {
 }
 
 at::Tensor SwapRuntime::state_view(int64_t param, int key) const {
-  const StateHome& home = plan_.slots[param].home[key];
+  const StateHome& home = layout_.slots[param].home[key];
   if (home.offset == kNoOffset) return at::Tensor();
   const StateDescription& description = descriptions_[param][key];
   const int64_t bytes = key_bytes(specs_[param], key, specs_[param].numel);

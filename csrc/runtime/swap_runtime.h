@@ -9,7 +9,7 @@
 #include "host_transport.h"
 #include "pipeline.h"
 #include "runtime_options.h"
-#include "store_plan.h"
+#include "store_layout.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -68,7 +68,7 @@ using BatchUpdate = std::function<void(int64_t batch, const at::Tensor& arena, c
 
 // Device bytes a step allocates for staging: min(num_arenas, batches) arenas of
 // the largest batch, and the device step table.
-int64_t staging_bytes_of(const StorePlan& plan, int64_t num_arenas);
+int64_t staging_bytes_of(const StoreLayout& plan, int64_t num_arenas);
 
 // The smallest swap_times whose staging (staging_bytes_of) fits in budget_bytes,
 // or -1 when none does; then *smallest_possible_bytes says what the finest
@@ -185,7 +185,7 @@ class SwapRuntime {
   void set_rounding_seed(int64_t seed);
 
   MemoryStats memory_stats() const;
-  const StorePlan& plan() const { return plan_; }
+  const StoreLayout& layout() const { return layout_; }
   void set_test_hooks(const TestHooks& hooks);
 
  private:
@@ -217,9 +217,9 @@ class SwapRuntime {
   std::vector<std::vector<StateDescription>> descriptions_;  // per param, per key
   int64_t step_bytes_ = kAdamStepBytes;  // per param in the step table
   BatchUpdate batch_update_;           // set: it updates each batch, not the fused Adam op
-  StorePlan plan_;
-  std::vector<at::Tensor> layouts_;    // fused Adam op: per batch, the op's layout table, rows in batch order
-  std::vector<at::Tensor> host_slabs_; // per host region of the plan, exact size
+  StoreLayout layout_;
+  std::vector<at::Tensor> op_layout_tables_;  // fused Adam op: per batch, the op's layout table, rows in batch order
+  std::vector<at::Tensor> host_slabs_; // per host region of the layout, exact size
   at::Tensor resident_store_;
   std::vector<at::Tensor> arenas_;
   at::Tensor device_steps_;            // the step table on the device, during a step

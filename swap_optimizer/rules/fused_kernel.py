@@ -142,7 +142,7 @@ class PackedKernelRule:
                     _check_fsdp_8bit(p, f"SwapOptimizer: param {i}")
             # On the whole param (a DTensor's numel), so every rank's shard of it agrees.
             quantized_params = [p.numel() >= MIN_QUANTIZED_NUMEL for p in params]
-        lay_out_as = functools.partial(_C.plan_staging, local_params, group_of_param, group_amsgrad,
+        lay_out_as = functools.partial(_C.summarize_staging, local_params, group_of_param, group_amsgrad,
                                        master_weights=opt.config.master_weights, swap_keys=swap_keys,
                                        kahan_summation=opt.config.kahan_summation)
 
@@ -152,7 +152,7 @@ class PackedKernelRule:
         def lay_out(swappable: list[bool], swap_times: int, num_arenas: int) -> _C.StagingSummary:
             summary = lay_out_as(swappable, swap_times=swap_times, num_arenas=num_arenas, state_dtype=state_dtype,
                                  quantized_params=quantized_params)
-            return summary.with_update_temporary_bytes(fused_op_table_bytes(summary.plan))
+            return summary.with_update_temporary_bytes(fused_op_table_bytes(summary.batch_layout))
 
         def advice(chosen, cost_model) -> list[str]:
             """Compact states the user may opt into, with what they would move
@@ -287,7 +287,7 @@ class PackedKernelRule:
                 check_distinct(params)
                 opt._data_pointers = data_pointers
             self._sync_outside_changes(opt, params)
-            opt._settle_plan()  # may move the (synced) store to a new plan
+            opt._settle_budget_choice()  # may move the (synced) store to a new plan
             deferred = opt._overlap is not None and opt._overlap.may_defer()  # after any rebuild or move
             grads = [None if p.grad is None else _local(p.grad) for p in params]
             state = opt.__dict__["_state"]

@@ -233,7 +233,7 @@ def _store_keys(kept: _Kept, param_dtype: torch.dtype) -> list[tuple[str, str, t
 
 class StoreRows(NamedTuple):
     """The store of some params under their layouts, as the runtime takes it
-    (_C.SwapRuntime's rule constructor, _C.plan_rule_staging): `keys`, the
+    (_C.SwapRuntime's rule constructor, _C.summarize_rule_staging): `keys`, the
     store keys in arena offset order; `rows`, per param, one (key, kind, unit
     bytes, dtype, shape) row per key (kind "absent" where the param keeps no
     such state); `scratch`, per param, the device bytes an element's compact
@@ -327,7 +327,7 @@ class _StepContext:
     SwapOptimizer itself (dropped before anything waited)."""
 
     optimizer: torch.optim.Optimizer        # the wrapped one: its class's step, its attributes
-    plan: list[dict]                        # the runtime's batch plan
+    batch_layout: list[dict]                # the runtime's, per batch
     keys: list[str]                         # the store's state keys, in arena offset order
     views: list[dict]                       # per param: its state views in the store (shapes, dtypes)
     layouts: list[tuple]                    # per param: the states it keeps
@@ -362,13 +362,13 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
     of a cut one) becomes a param of its group with the staged views as its
     state; torch's call creates or replaces states at a param's first step,
     which are then copied into the arena."""
-    plan = step.plan[batch]
+    batch_layout = step.batch_layout[batch]
     groups: dict[int, list[torch.Tensor]] = {}
     state: dict[torch.Tensor, dict] = {}
     rows = []
     codec: Optional[BatchCodec] = None  # the batch's compact states, if any
-    for (index, offset, count), offsets, param, grad in zip(plan["pieces"], plan["arena_offsets"], params,
-                                                              grads):
+    for (index, offset, count), offsets, param, grad in zip(batch_layout["pieces"],
+                                                              batch_layout["arena_offsets"], params, grads):
         if grad is None:
             continue
         whole = offset == 0 and count == param.numel()
@@ -485,22 +485,22 @@ def _rounding_step(step: _StepContext, index: int, entry: dict) -> int:
     return int(step.scalars_before[index].get(ROUNDING_STEP, 0)) + 1
 
 
-def update_temporaries(declaration: Declaration, groups: list[dict], plan: list[dict], states: list,
+def update_temporaries(declaration: Declaration, groups: list[dict], batch_layout: list[dict], states: list,
                        device: torch.device, scratch: Optional[list] = None) -> int:
     """An estimate of the device memory torch's update allocates beyond the
-    staged states, for the largest call over `plan` (one per group, run one
-    after another: foreach intermediates, Newton-Schulz products, ..., see
-    Declaration.temporaries), whose params keep the states `states` (per
-    param, the store's (key, kind, unit bytes, dtype, shape) rows), counting
-    their creation at a first step, as torch's default path runs on `device`
-    (the planner passes cuda for meta params), and (compact states) the
-    scratch their decoded values take (`scratch`: per param, bytes an element;
-    None: no compact states; with Kahan, its float32 stand-in param and grad
-    too). It comes on top of staging_bytes."""
+    staged states, for the largest call over `batch_layout` (one per group, run
+    one after another: foreach intermediates, Newton-Schulz products, ..., see
+    Declaration.temporaries), whose params keep the states `states` (per param,
+    the store's (key, kind, unit bytes, dtype, shape) rows), counting their
+    creation at a first step, as torch's default path runs on `device` (the
+    planner passes cuda for meta params), and (compact states) the scratch
+    their decoded values take (`scratch`: per param, bytes an element; None: no
+    compact states; with Kahan, its float32 stand-in param and grad too). It
+    comes on top of staging_bytes."""
     params = [p for group in groups for p in group["params"]]
     group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
     largest = 0
-    for batch in plan:
+    for batch in batch_layout:
         rows_by_group: dict[int, list] = {}
         new_state_bytes: dict[int, int] = {}
         for index, offset, count in batch["pieces"]:
@@ -660,9 +660,9 @@ class TorchUpdateRule:
         swap_keys = [opt.config.state_keys is None or _state_name(key) in opt.config.state_keys for key in keys]
         # (the plan keeps lay_out, which holds this rule, never the SwapOptimizer)
         def lay_out(swappable_now: list[bool], swap_times: int, num_arenas: int) -> _C.StagingSummary:
-            summary = _C.plan_rule_staging(locals_, states, swappable_now, splittable, swap_keys,
-                                           swap_times=swap_times, num_arenas=num_arenas)
-            return summary.with_update_temporary_bytes(self._temporaries_of(summary.plan, states, scratch))
+            summary = _C.summarize_rule_staging(locals_, states, swappable_now, splittable, swap_keys,
+                                                swap_times=swap_times, num_arenas=num_arenas)
+            return summary.with_update_temporary_bytes(self._temporaries_of(summary.batch_layout, states, scratch))
 
         copies = copy_bytes(locals_, opt.__dict__.get("_unscale_in_step", False) or opt._overlap is not None)
         planning = Planning.make(opt.config, opt._budget_now(), lay_out, swappable, copies, opt._device,
@@ -725,7 +725,7 @@ class TorchUpdateRule:
                              for row, p in zip(views, params)]
         self._scalars = scalars
         self._shown = shown
-        self._plan = runtime.batch_plan()
+        self._batch_layout = runtime.batch_layout()
         opt._param_ids = [id(p) for p in params]
         opt._group_sizes = [len(g["params"]) for g in opt.param_groups]
         opt._data_pointers = [_local(p).data_ptr() for p in params]
@@ -739,9 +739,9 @@ class TorchUpdateRule:
         budget, num_arenas = opt.config.staging_budget_bytes, opt.config.fixed_num_arenas
 
         def need(swap_times: int) -> tuple[int, int, int]:
-            summary = _C.plan_rule_staging(params, states, swappable, splittable, swap_keys,
-                                           swap_times=swap_times, num_arenas=num_arenas)
-            staging, temporaries = summary.staging_bytes, self._temporaries_of(summary.plan, states, scratch)
+            summary = _C.summarize_rule_staging(params, states, swappable, splittable, swap_keys,
+                                                swap_times=swap_times, num_arenas=num_arenas)
+            staging, temporaries = summary.staging_bytes, self._temporaries_of(summary.batch_layout, states, scratch)
             return staging + temporaries, staging, summary.finest_swap_times
 
         finest = need(1)[2]
@@ -887,7 +887,7 @@ class TorchUpdateRule:
                                    "is the optimizer for sparse ones)")
         self._sync_edits(opt, params)
         self._zero_written_compensation(opt, written)
-        opt._settle_plan()
+        opt._settle_budget_choice()
         # What every batch call starts from: the groups as they are now, copied
         # (a deferred step runs on after step() returns, while a scheduler may
         # write a tensor lr in place).
@@ -918,7 +918,7 @@ class TorchUpdateRule:
                 # The step's context, held by the runtime's rule until the step is done
                 # (after the first updates: they may lay the store out again).
                 self._batch_rule.step = _StepContext(
-                    optimizer=self.optimizer, plan=self._plan, keys=self._keys, views=self._views,
+                    optimizer=self.optimizer, batch_layout=self._batch_layout, keys=self._keys, views=self._views,
                     layouts=self._layouts_now, scalars=self._scalars,
                     # the kept tensors are the last piece's to write
                     scalars_before=[{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
@@ -1224,7 +1224,7 @@ class TorchUpdateRule:
         param the rule never cuts (Muon, Adafactor, a whole state), which
         every arena holds at least."""
         stats = {"swapped_state_keys": [k for k, swapped in zip(self._keys, self._swap_keys) if swapped],
-                 "update_temporary_bytes": self._temporaries_of(self._plan, self._state_rows, self._scratch)}
+                 "update_temporary_bytes": self._temporaries_of(self._batch_layout, self._state_rows, self._scratch)}
         params = opt._params()
         stats["largest_whole_param_state_bytes"] = max(
             (sum(row_bytes(kind, unit, _local(params[i]).numel(), True)
@@ -1248,9 +1248,9 @@ class TorchUpdateRule:
     def lay_out_empty(self, opt) -> None:
         self._lay_out(opt, {}, learned=self._learned_from([], {}, None))
 
-    def _temporaries_of(self, plan: list[dict], states: list, scratch: list) -> int:
+    def _temporaries_of(self, batch_layout: list[dict], states: list, scratch: list) -> int:
         """update_temporaries for this rule's optimizer, on its params' device."""
         groups = self.optimizer.param_groups
         params = [p for group in groups for p in group["params"]]
         device = _local(params[0]).device if params else torch.device("cpu")
-        return update_temporaries(self.declaration, groups, plan, states, device, scratch)
+        return update_temporaries(self.declaration, groups, batch_layout, states, device, scratch)

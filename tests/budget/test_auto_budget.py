@@ -307,8 +307,8 @@ def run_blocks(cls, make, overlap, budget=None, steps=6, moves=None, **settings)
     optimizer = so.SwapOptimizer(make(model.parameters()), swap_times=4, num_arenas=2, cost_model=SLOW_LINK,
                                  **({} if budget is None else dict(device_budget_bytes=budget)), **fields, **settings)
     if moves is not None:
-        move = optimizer._move_to_new_plan
-        optimizer._move_to_new_plan = lambda undo: (moves.append(step), move(undo))
+        move = optimizer._move_to_budget_choice
+        optimizer._move_to_budget_choice = lambda undo: (moves.append(step), move(undo))
     deferred = []
     for step in range(steps):
         rng = np.random.default_rng([9, step])
@@ -399,8 +399,8 @@ def test_auto_with_overlap_moves_once_into_the_forwards_order():
                                  device_budget_bytes="auto", auto_warmup_steps=WARMUP, auto_headroom_bytes=HEADROOM,
                                  overlap_forward=True, model=model)
     optimizer._auto.simulated = simulated(a_quarter_resident_budget(Blocks, adamw))
-    move = optimizer._move_to_new_plan
-    optimizer._move_to_new_plan = lambda undo: (moves.append(step), move(undo))
+    move = optimizer._move_to_budget_choice
+    optimizer._move_to_budget_choice = lambda undo: (moves.append(step), move(undo))
     for step in range(WARMUP + 3):
         optimizer.zero_grad(set_to_none=True)
         model(torch.randn(8, 64)).square().mean().backward()

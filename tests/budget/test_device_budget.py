@@ -308,10 +308,10 @@ def test_the_cost_model_replays_the_pipeline_by_hand():
     model = StepCostModel(h2d_bytes_per_s=1e6, d2h_bytes_per_s=5e5, both_bytes_per_s=1e6, update_bytes_per_s=1e30,
                           batch_seconds=0.0, step_seconds=0.5)
     plan = [dict(resident=False, host_bytes=1000, arena_bytes=1000) for _ in range(3)]
-    assert model.predict(SimpleNamespace(plan=plan), 2)["seconds"] == pytest.approx(3 * (1e-3 + 2e-3) + 0.5)
+    assert model.predict(SimpleNamespace(batch_layout=plan), 2)["seconds"] == pytest.approx(3 * (1e-3 + 2e-3) + 0.5)
     # an update slower than the link: the step is the first copy in, every update, the last copy out
     slow = StepCostModel(1e6, 5e5, 2e6, update_bytes_per_s=1e5, batch_seconds=0.0, step_seconds=0.0)
-    assert slow.predict(SimpleNamespace(plan=plan), 3)["seconds"] == pytest.approx(1e-3 + 3 * 1e-2 + 2e-3)
+    assert slow.predict(SimpleNamespace(batch_layout=plan), 3)["seconds"] == pytest.approx(1e-3 + 3 * 1e-2 + 2e-3)
     with pytest.raises(ValueError, match="StepCostModel.h2d_bytes_per_s must be a positive finite number"):
         StepCostModel(0, 1, 1, 1, 0, 0)
 
@@ -322,13 +322,13 @@ def test_the_cost_model_counts_the_resident_batch():
     slow = StepCostModel(1e6, 5e5, 2e6, update_bytes_per_s=1e5, batch_seconds=0.0, step_seconds=0.0)
     rotating = [dict(resident=False, host_bytes=1000, arena_bytes=1000) for _ in range(3)]
     resident = [dict(resident=True, host_bytes=0, arena_bytes=2000)]
-    prediction = slow.predict(SimpleNamespace(plan=resident + rotating), 3)
+    prediction = slow.predict(SimpleNamespace(batch_layout=resident + rotating), 3)
     # the resident update (2e-2 s), each rotating update (1e-2 s), the last copy out (2e-3 s)
     assert prediction["seconds"] == pytest.approx(2e-2 + 3 * 1e-2 + 2e-3)
     assert prediction["update_seconds"] == pytest.approx(2e-2 + 3 * 1e-2)
     # everything resident: its update, a batch's fixed cost and the step's
     alone = StepCostModel(1e6, 5e5, 2e6, update_bytes_per_s=1e5, batch_seconds=1e-3, step_seconds=0.5)
-    assert alone.predict(SimpleNamespace(plan=resident), 2)["seconds"] == pytest.approx(2e-2 + 1e-3 + 0.5)
+    assert alone.predict(SimpleNamespace(batch_layout=resident), 2)["seconds"] == pytest.approx(2e-2 + 1e-3 + 0.5)
 
 
 def test_the_one_by_one_tries_never_take_a_plan_over_the_budget():
@@ -337,7 +337,7 @@ def test_the_one_by_one_tries_never_take_a_plan_over_the_budget():
     takes it and gives it back, the one-by-one tries weigh it again and must
     refuse it, then keep the next param, which fits. A synthetic layout of
     three params of 4 KiB of state, each its own batch."""
-    from swap_optimizer.budget import choose_plan
+    from swap_optimizer.budget import choose_for_budget
     state, temporaries = 4096, 4096  # keeping param 0 resident adds `temporaries` to the update
 
     def lay_out(swappable, swap_times, num_arenas):
@@ -346,7 +346,7 @@ def test_the_one_by_one_tries_never_take_a_plan_over_the_budget():
         plan = [dict(resident=True, host_bytes=0, arena_bytes=state * resident)] if resident else []
         plan += [dict(resident=False, host_bytes=state, arena_bytes=state) for _ in swapped]
         largest = state if swapped else 0
-        return _C.StagingSummary(plan=plan, batches=len(swapped), largest_arena_bytes=largest,
+        return _C.StagingSummary(batch_layout=plan, batches=len(swapped), largest_arena_bytes=largest,
                                  resident_state_bytes=state * resident, step_table_bytes=0,
                                  update_temporary_bytes=0 if swappable[0] else temporaries,
                                  staging_bytes=min(num_arenas, len(swapped)) * largest, param_state_bytes=[state] * 3,
@@ -354,8 +354,8 @@ def test_the_one_by_one_tries_never_take_a_plan_over_the_budget():
                                  finest_swap_times=3, host_state_bytes=state * len(swapped), split_params=0)
 
     budget = 2 * state + state + 8 * 256  # two arenas, and room for one more param's state (and its alignment)
-    best, weighed = choose_plan(lay_out, [True] * 3, [0, 1, 2], budget, swap_times=3, num_arenas=2, staging_cap=None,
-                                extra_bytes=0, cost_model=SLOW_LINK)
+    best, weighed = choose_for_budget(lay_out, [True] * 3, [0, 1, 2], budget, swap_times=3, num_arenas=2,
+                                      staging_cap=None, extra_bytes=0, cost_model=SLOW_LINK)
     assert [c.device["total"] for c in weighed if c.device["total"] > budget] == []
     assert best.resident_params == (1,)  # the greedy fill stops at param 0: only the one-by-one tries reach param 1
     assert best.device["total"] == 3 * state <= budget

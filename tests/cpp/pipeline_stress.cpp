@@ -8,12 +8,12 @@
 // copy-in failures and interrupts check that every batch, step count included,
 // ends wholly old or wholly new. Deferred steps run the pipeline on an update
 // thread while the main thread waits for each batch's readiness (as the
-// forward's hooks do) and reads what the update wrote. The store plan and the
+// forward's hooks do) and reads what the update wrote. The store layout and the
 // whole-param partition are checked on random inputs too. Exits non-zero on
 // the first failure.
 #include "runtime/host_transport.h"
 #include "runtime/pipeline.h"
-#include "runtime/store_plan.h"
+#include "runtime/store_layout.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -311,7 +311,7 @@ void check_plan() {
     for (int key = 0; key < key_count; ++key) swap_keys[key] = random() % 4 != 0;
     const int64_t swap_times = 1 + random() % 40;
     const int64_t step_bytes = random() % 2 ? 4 : 0;
-    const rt::StorePlan plan = rt::plan_store(specs, swap_keys, swap_times, step_bytes);
+    const rt::StoreLayout plan = rt::lay_out_store(specs, swap_keys, swap_times, step_bytes);
     const std::string where = "plan trial " + std::to_string(trial);
     expect(plan.rotating_batches <= swap_times, where + ": at most swap_times batches");
 
@@ -351,7 +351,7 @@ void check_plan() {
       }
     }
     int64_t last_group = -1;
-    for (const rt::BatchPlan& batch : plan.batches) {
+    for (const rt::BatchLayout& batch : plan.batches) {
       if (batch.resident) {  // one group per resident batch, in increasing order, before every rotating batch
         const int64_t group = specs[batch.rows.front().slot].resident_group;
         expect(group > last_group && &batch - plan.batches.data() < static_cast<std::ptrdiff_t>(
@@ -410,7 +410,7 @@ void check_plan() {
              where + ": a few copies per batch");
     }
     std::vector<bool> in_a_batch(specs.size(), false);
-    for (const rt::BatchPlan& batch : plan.batches) {
+    for (const rt::BatchLayout& batch : plan.batches) {
       for (const rt::PieceRow& row : batch.rows) in_a_batch[row.slot] = true;
     }
     for (size_t i = 0; i < specs.size(); ++i) {
@@ -443,6 +443,6 @@ int main() {
     return 1;
   }
   std::printf("pipeline_stress: 21 pipeline cases (6 with resident slots) x 12 steps, inline and deferred, 300 partitions and 400 store "
-              "plans passed\n");
+              "layouts passed\n");
   return 0;
 }

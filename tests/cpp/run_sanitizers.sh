@@ -15,7 +15,7 @@ PY="${PYTHON:-python}"
 
 echo "== ThreadSanitizer: runtime core"
 g++ -std=c++17 -O1 -g -fsanitize=thread -Icsrc csrc/runtime/pipeline.cpp csrc/runtime/host_transport.cpp \
-  csrc/runtime/store_plan.cpp tests/cpp/pipeline_stress.cpp -o "$WORK/pipeline_stress" -lpthread
+  csrc/runtime/store_layout.cpp tests/cpp/pipeline_stress.cpp -o "$WORK/pipeline_stress" -lpthread
 TSAN_OPTIONS="halt_on_error=1 exitcode=66" "$WORK/pipeline_stress"
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer: CPU suite"

@@ -24,7 +24,7 @@ from conftest import PACKED_KERNEL, DEVICES
 from swap_training import round_trip
 
 TRAIN_TOL = dict(rtol=1e-5, atol=1e-6)
-MIN_PIECE_BYTES = 64 << 10  # kMinPieceBytes in csrc/runtime/store_plan.h
+MIN_PIECE_BYTES = 64 << 10  # kMinPieceBytes in csrc/runtime/store_layout.h
 GRANULE = 256               # pieces start at multiples of this many elements
 STEPS = 5
 

@@ -2,7 +2,7 @@
 // batches (a large param may be split into pieces across batches), the byte
 // layout of the host regions, of each batch's staging arena and of the resident
 // store, and the copies that move a batch between them. Plain C++ (no torch), so
-// it can be tested on its own; the runtime follows this plan and decides nothing
+// it can be tested on its own; the runtime follows this layout and decides nothing
 // about layout itself.
 #pragma once
 
@@ -116,7 +116,7 @@ struct RegionCopy {
 // group) uses the resident store from its start as its arena (its rows' offsets
 // are the store's, its arena_bytes where its last state ends), so nothing of it
 // travels.
-struct BatchPlan {
+struct BatchLayout {
   std::vector<PieceRow> rows;
   std::vector<RegionCopy> host_copies;      // over the link, the same each way
   std::vector<RegionCopy> resident_copies;  // device to device, in before the update and out after
@@ -125,9 +125,9 @@ struct BatchPlan {
   bool resident = false;
 };
 
-struct StorePlan {
+struct StoreLayout {
   std::vector<SlotPlacement> slots;
-  std::vector<BatchPlan> batches;          // the resident batches, if any, come first
+  std::vector<BatchLayout> batches;          // the resident batches, if any, come first
   std::vector<int64_t> host_region_bytes;  // exact size of each host region; 0 is the step table
   int64_t rotating_batches = 0;            // batches that go through staging arenas
   int64_t staging_arena_bytes = 0;         // the largest arena of a rotating batch
@@ -148,7 +148,7 @@ std::vector<std::pair<int64_t, int64_t>> partition_balanced(const std::vector<in
                                                             int64_t parts);
 
 // The finest split worth asking for: a batch per swappable slot, or a batch per
-// piece of the state, whichever is more. plan_store makes no more batches.
+// piece of the state, whichever is more. lay_out_store makes no more batches.
 int64_t finest_swap_times(const std::vector<SlotSpec>& slots);
 
 // `swap_keys` says which states of swappable slots go to the host store; the
@@ -163,7 +163,7 @@ int64_t finest_swap_times(const std::vector<SlotSpec>& slots);
 // the largest arena is then at most about state / swap_times + 2 * kMinPieceBytes.
 // A slot that cannot be split stays whole; a batch holding one larger than the
 // capacity holds only it. swap_keys has one flag per key of the slots.
-StorePlan plan_store(const std::vector<SlotSpec>& slots, const KeyFlags& swap_keys,
+StoreLayout lay_out_store(const std::vector<SlotSpec>& slots, const KeyFlags& swap_keys,
                      int64_t swap_times, int64_t step_bytes);
 
 }  // namespace swap_optimizer::runtime

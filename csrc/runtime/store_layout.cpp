@@ -1,4 +1,4 @@
-#include "store_plan.h"
+#include "store_layout.h"
 
 #include <algorithm>
 #include <numeric>
@@ -283,14 +283,14 @@ std::vector<std::pair<int64_t, int64_t>> partition_balanced(const std::vector<in
   return ranges;
 }
 
-StorePlan plan_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_keys,
+StoreLayout lay_out_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_keys,
                      int64_t swap_times, int64_t step_bytes) {
-  if (swap_times < 1) throw std::invalid_argument("plan_store: swap_times must be >= 1");
-  StorePlan plan;
+  if (swap_times < 1) throw std::invalid_argument("lay_out_store: swap_times must be >= 1");
+  StoreLayout plan;
   const int64_t slot_count = static_cast<int64_t>(specs.size());
   for (const SlotSpec& spec : specs) {
     if (spec.states.size() != swap_keys.size()) {
-      throw std::invalid_argument("plan_store: every slot needs one state layout per swap key");
+      throw std::invalid_argument("lay_out_store: every slot needs one state layout per swap key");
     }
   }
   plan.slots.assign(slot_count, SlotPlacement{std::vector<StateHome>(swap_keys.size())});
@@ -310,7 +310,7 @@ StorePlan plan_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_ke
       if (k == 0 || specs[slot].resident_group != specs[resident_slots[k - 1]].resident_group) {
         plan.batches.emplace_back().resident = true;
       }
-      BatchPlan& batch = plan.batches.back();
+      BatchLayout& batch = plan.batches.back();
       const int64_t index = static_cast<int64_t>(plan.batches.size()) - 1;
       PieceRow& row = batch.rows.emplace_back(
           PieceRow{slot, 0, specs[slot].numel, KeyOffsets(swap_keys.size(), kNoOffset), slot, true});
@@ -350,7 +350,7 @@ StorePlan plan_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_ke
   }
 
   for (const std::vector<Piece>& batch_pieces : pieces) {
-    BatchPlan& batch = plan.batches.emplace_back();
+    BatchLayout& batch = plan.batches.emplace_back();
     for (const Piece& piece : batch_pieces) {
       PieceRow& row = batch.rows.emplace_back(
           PieceRow{piece.slot, piece.offset, piece.count, KeyOffsets(swap_keys.size(), kNoOffset), piece.slot, false});
