@@ -37,7 +37,6 @@ STATE_CODE_FORMS = {
     "accumulator": ("unsigned", "nonzero"),  # Adagrad's sum: a denominator too
     "running_max": ("unsigned", "up"),
 }
-STATE_INDICES = range(4)  # encode_bf16_stochastic's state_index: a param's states 0..3
 
 _decode_8bit = torch.ops.swap_optimizer.decode_blockwise_8bit
 _encode_8bit = torch.ops.swap_optimizer.encode_blockwise_8bit

@@ -24,20 +24,18 @@ import torch
 
 from ..codec import (BLOCK_SIZE, STATE_CODE_FORMS, decode_blockwise_8bit, encode_bf16_stochastic,
                      encode_blockwise_8bit)
-from ..compact import MIN_QUANTIZED_NUMEL, ROUNDING_STEP
+from ..compact import MIN_QUANTIZED_NUMEL
+from .declarations import ACCUMULATOR, DECAYING_MAX, DENOMINATOR, RAW_DENOMINATOR, RUNNING_MAX
 
 BF16, EIGHT_BIT = "bf16", "8bit"
-# (ROUNDING_STEP: the per-param count that keys bf16 rounding where the
-# optimizer keeps no step of its own (SGD), a scalar saved with the state,
-# dropped by dequantize_state_dict; a plain state dict starts it at 0.)
 CODES, ABSMAX = "_codes", "_absmax"
 # Kinds of state that must not decode to 0 where the stored value is not 0
 # (a denominator, a running maximum), and the value an fp16 scratch gets there.
-NEVER_ZERO = ("denominator", "running_max", "decaying_max", "raw_denominator", "accumulator")
+NEVER_ZERO = (DENOMINATOR, RUNNING_MAX, DECAYING_MAX, RAW_DENOMINATOR, ACCUMULATOR)
 # Kinds kept in bf16 (stochastic) under 8-bit too, and kinds kept exact under
 # bf16 (see StateSpec.code).
-BF16_UNDER_8BIT = ("decaying_max", "raw_denominator")
-EXACT_UNDER_BF16 = ("accumulator",)
+BF16_UNDER_8BIT = (DECAYING_MAX, RAW_DENOMINATOR)
+EXACT_UNDER_BF16 = (ACCUMULATOR,)
 FP16_SMALLEST = 2.0 ** -24
 
 
@@ -80,14 +78,6 @@ def store_keys(name: str, form: Optional[str], param_dtype: torch.dtype,
     if form == BF16:
         return [(name, "element", torch.bfloat16)]
     return [(name, "element", dtype or param_dtype)]
-
-
-def scratch_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype torch keeps an element state in (and the scratch holds): that
-    of the param torch's update runs on (`param_dtype`: update_dtype's, so
-    float32 for a 16-bit param with Kahan). (torch's fused and foreach paths
-    need the param's dtype; its for-loop would run mixed precision silently.)"""
-    return param_dtype
 
 
 def scratch_bytes_per_element(forms: list[Optional[str]], param_dtype: torch.dtype, kahan: bool = False) -> int:
@@ -169,8 +159,12 @@ class BatchCodec:
         self._encode_bf16: list[tuple] = []   # (values, out, param index, state index, offset, step)
 
     def scratch(self, form: str, code: str, views: dict, name: str, shape, param_dtype: torch.dtype) -> torch.Tensor:
-        """A scratch of the state for torch's update, filled by decode()."""
-        scratch = torch.empty(shape, dtype=scratch_dtype(param_dtype), device=self.device)
+        """A scratch of the state for torch's update, filled by decode(), in
+        the dtype of the param torch's update runs on (`param_dtype`:
+        update_dtype's, so float32 for a 16-bit param with Kahan), as torch
+        keeps its element states: its fused and foreach paths need the param's
+        dtype, and its for-loop would run mixed precision silently."""
+        scratch = torch.empty(shape, dtype=param_dtype, device=self.device)
         stored = views[name + CODES] if form == EIGHT_BIT else views[name]
         if form == EIGHT_BIT:
             self._decode_8bit.append((stored, views[name + ABSMAX], scratch, STATE_CODE_FORMS[code][0]))

@@ -17,14 +17,14 @@ import torch
 from .. import _C
 from ..budget import Planning, copy_bytes
 from ..codec import STATE_CODE_FORMS
-from ..compact import FORMAT_KEY, dequantize, dequantize_state_dict, named_map, state_format
+from ..compact import FORMAT_KEY, ROUNDING_STEP, dequantize, dequantize_state_dict, named_map, state_format
 from ..config import SwapOptimizerConfig
 from ..distributed import (_check_fsdp_8bit, _global_offset, _is_dtensor, _like_param, _local, _local_part,
                            _shared_default_seed)
 from ..params import check_distinct, check_overlap_params, check_params, param_versions, written_since
 from ..state_dicts import check_readable, check_state_entry
 from ..step_guards import signals_after_the_step
-from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, EIGHT_BIT, ROUNDING_STEP, BatchCodec, blocks,
+from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, EIGHT_BIT, BatchCodec, blocks,
                              compact_of, compacts, encode_exact, form_for, kahan_applies, kahan_round, kahan_stand_in,
                              scratch_bytes_per_element, store_keys, update_dtype, warn_if_no_16_bit)
 from .declarations import (DECLARATIONS, ELEMENT, SCALAR, WHOLE, Declaration, estimated_temporaries)
