@@ -3,15 +3,15 @@
 For each model shape and swap_times, the device memory that a SwapOptimizer step
 allocates for staging (arenas and the step table), as a share of the optimizer
 state in host memory, beside the ideal num_arenas / swap_times and beside the
-least any plan keeping params whole would need (num_arenas arenas holding the
+least any layout keeping params whole would need (num_arenas arenas holding the
 largest param's states). AdamW on bf16 params, states in bf16 (torch's default
 for bf16 params), min_numel 1024, as `SwapOptimizer(torch.optim.AdamW(...))`
 would lay them out.
 
-The figures come from the runtime's own plan (`_C.summarize_staging`, on meta
+The figures come from the runtime's own store layout (`_C.summarize_staging`, on meta
 tensors: no memory is allocated). With --real-step the shapes whose state fits
 in host memory also run one real step on the CPU host backend and report
-`memory_stats()` of that step, which must equal the plan.
+`memory_stats()` of that step, which must equal the layout.
 
     python -P benchmarks/staging_share.py [--swap-times 8 16 32] [--num-arenas 2]
                                           [--real-step gpt2-124m|all|none] [--json PATH]
@@ -34,7 +34,7 @@ MODELS = ("gpt2-124m", "qwen2.5-0.5b", "llama-3.2-1b")
 MIN_NUMEL = 1024
 
 
-def plan(shapes, swap_times, num_arenas):
+def summarize(shapes, swap_times, num_arenas):
     params = [torch.empty(shape, dtype=torch.bfloat16, device="meta") for shape in shapes]
     return _C.summarize_staging(params, [0] * len(params), [False], [p.numel() >= MIN_NUMEL for p in params],
                                 swap_times=swap_times, num_arenas=num_arenas, state_dtype=None, master_weights=False,
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         numels = [torch.Size(s).numel() for s in shapes]
         total, largest = sum(numels), max(numels)
         for swap_times in args.swap_times:
-            summary = plan(shapes, swap_times, args.num_arenas)
+            summary = summarize(shapes, swap_times, args.num_arenas)
             host = summary.host_state_bytes
             share = summary.staging_bytes / host
             ideal = args.num_arenas / swap_times
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
                 stats = real_step(shapes, swap_times, args.num_arenas)
                 real_share = stats["peak_staging_bytes"] / stats["host_state_bytes"]
                 if stats["peak_staging_bytes"] != summary.staging_bytes or stats["host_state_bytes"] != host:
-                    print(f"error: the real step of {key} at swap_times {swap_times} does not match the plan",
+                    print(f"error: the real step of {key} at swap_times {swap_times} does not match the layout",
                           file=sys.stderr)
                     return 1
                 real = f"{real_share:.5f}"

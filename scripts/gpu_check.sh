@@ -316,13 +316,13 @@ PARITY_TESTS=(
   "tests/optimizer/test_optimizer.py::test_state_lives_in_host_memory_between_steps[cuda]"
   # torch's own update rules, bitwise torch (Adam/AdamW with default states too: each implementation flag
   # against its own torch path; Adafactor keeps params whole), and their device temporaries
-  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[Adam-0-cuda]"
-  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[AdamW-1-cuda]"
-  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[SGD-2-cuda]"
-  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[RMSprop-5-cuda]"
-  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[NAdam-8-cuda]"
-  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[Adafactor-12-cuda]"
-  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[Muon-13-cuda]"
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[Adam-amsgrad-maximize-wd-cuda]"
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[AdamW-default-cuda]"
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[SGD-momentum-dampening-wd-cuda]"
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[RMSprop-centered-momentum-wd-cuda]"
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[NAdam-decoupled-wd-cuda]"
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[Adafactor-default-cuda]"
+  "tests/rules/test_rules.py::test_bitwise_equal_to_the_plain_optimizer[Muon-default-cuda]"
   "tests/rules/test_rules.py::test_16_bit_params[Adafactor-cuda]"
   "tests/rules/test_rules.py::test_device_peak_stays_within_staging_and_the_temporaries_estimate_on_cuda"  # all 6
   # a vouched-for optimizer (trust_per_param_step), whole and cut into pieces, and under a budget

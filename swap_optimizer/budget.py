@@ -120,12 +120,13 @@ class StepCostModel:
                 "per step")
 
     def predict(self, summary: StagingSummary, num_arenas: int) -> dict:
-        """Predicted seconds of one step of the plan `summary` (summarize_staging's),
-        replaying the pipeline's order: batch b is copied in once the arena of
-        batch b - num_arenas is copied out, updated once copied in, copied out
-        once updated; with 2 arenas copies in and out share one queue, with 3 or
-        more they run on two, sharing the link's both-ways bandwidth while both
-        move. The resident batch updates first, beside the first copies in."""
+        """Predicted seconds of one step of the store layout `summary`
+        (summarize_staging's), replaying the pipeline's order: batch b is
+        copied in once the arena of batch b - num_arenas is copied out, updated
+        once copied in, copied out once updated; with 2 arenas copies in and
+        out share one queue, with 3 or more they run on two, sharing the link's
+        both-ways bandwidth while both move. The resident batch updates first,
+        beside the first copies in."""
         rotating = [b for b in summary.batch_layout if not b["resident"]]
         # Resident batches (one per group) use the store at absolute offsets: the last one ends where it does.
         resident = max((b["arena_bytes"] for b in summary.batch_layout if b["resident"]), default=0)

@@ -557,10 +557,10 @@ class SwapOptimizer(torch.optim.Optimizer):
                                      simulated_free_bytes=simulated_free_bytes, compute_delay_us=compute_delay_us)
 
     @_on_the_optimizer_itself
-    def _batch_plan(self) -> list[dict]:
+    def _batch_layout(self) -> list[dict]:
         """The batches in pipeline order (with overlap_forward, block order)."""
-        plan = self._runtime.batch_layout()
-        return [plan[b] for b in self._runtime.pipeline_order()]
+        layout = self._runtime.batch_layout()
+        return [layout[b] for b in self._runtime.pipeline_order()]
 
     @_on_the_optimizer_itself
     def _set_timeline(self, enabled: bool) -> None:

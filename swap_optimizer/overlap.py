@@ -334,7 +334,9 @@ class _Watch:
     handles: list = []
     strays: list[_ReadWatch] = []
     quiet_filter = None
-    orphan_threads: list[threading.Thread] = []  # each waits for an orphaned pass's step (finish_before_exit)
+    # Per orphaned pass, set once its thread has waited for the step and let
+    # the runtime go (finish_before_exit waits for each).
+    orphans_finished: list[threading.Event] = []
 
     @classmethod
     def register(cls, overlap: "ForwardOverlap") -> None:
@@ -359,10 +361,15 @@ class _Watch:
             # lets the runtime go, and the stepping thread's next module call
             # (or the pass's end) unregisters it.
             overlap.orphaned = True
-            thread = threading.Thread(target=overlap.finish_orphaned_step, name="swap_optimizer orphaned step",
-                                      daemon=True)
-            cls.orphan_threads = [t for t in cls.orphan_threads if t.is_alive()] + [thread]
-            thread.start()
+            finished = threading.Event()
+            cls.orphans_finished = [e for e in cls.orphans_finished if not e.is_set()] + [finished]
+
+            def finish():
+                try:
+                    overlap.finish_orphaned_step()
+                finally:
+                    finished.set()
+            threading.Thread(target=finish, name="swap_optimizer orphaned step", daemon=True).start()
             return
         overlap.finish_pass()
         overlap.drop_watch()  # an optimizer dropped mid-pass leaves no watch behind
@@ -412,15 +419,23 @@ def finish_before_exit() -> None:
     pending steps land, those of live optimizers and of orphaned passes, and
     the runtimes dropped on their update threads are destroyed. A thread still
     at any of these would take the GIL from a finalizing interpreter, which
-    ends it mid-destructor (std::terminate)."""
+    ends it mid-destructor (std::terminate). A Ctrl-C meanwhile skips none of
+    the waits: it is raised once they are all done."""
     from . import _C
 
-    for overlap in _Watch.overlaps:
-        if not overlap.orphaned:
-            overlap.complete_pending_step()
-    for thread in _Watch.orphan_threads:
-        thread.join()
-    _C.wait_for_dropped_runtimes()
+    waits = [overlap.complete_pending_step for overlap in _Watch.overlaps if not overlap.orphaned]
+    # (an Event, not Thread.join: a join that a Ctrl-C interrupts marks the thread ended, bpo-45274)
+    waits += [finished.wait for finished in _Watch.orphans_finished] + [_C.wait_for_dropped_runtimes]
+    interrupted = None
+    for wait in waits:
+        while True:
+            try:
+                wait()
+                break
+            except KeyboardInterrupt as interrupt:  # waited for again: what it waits for still runs
+                interrupted = interrupted or interrupt
+    if interrupted is not None:
+        raise interrupted
 
 
 @contextlib.contextmanager

@@ -195,16 +195,18 @@ class Planner:
                     rule = choose_rule(self.optimizer, config)
                     rule.check_wrap(config)
                 except (TypeError, ValueError) as error:
-                    self._rules[mode] = error
+                    self._rules[mode] = (type(error), str(error))
                 else:
                     self._rules[mode] = rule
-            self._warnings[mode] = [str(w.message).removeprefix("SwapOptimizer: ") for w in caught]
-        if isinstance(self._rules[mode], Exception):
-            raise self._rules[mode]
+            self._warnings[mode] = [str(w.message).removeprefix("SwapOptimizer: ") for w in caught
+                                    if str(w.message).startswith("SwapOptimizer: ")]
+        if isinstance(self._rules[mode], tuple):
+            error_type, message = self._rules[mode]
+            raise error_type(message)
         return self._rules[mode]
 
     @functools.cached_property
-    def _rules(self) -> dict:  # mode -> its rule, check_wrap passed, or SwapOptimizer's refusal
+    def _rules(self) -> dict:  # mode -> its rule, check_wrap passed, or SwapOptimizer's refusal (type, message)
         return {}
 
     @functools.cached_property
@@ -220,8 +222,8 @@ class Planner:
         """Why SwapOptimizer refuses the optimizer in `mode`, or None where it takes it."""
         try:
             self.rule(mode)
-        except (TypeError, ValueError) as error:
-            return str(error).removeprefix("SwapOptimizer: ")
+        except (TypeError, ValueError):
+            return self._rules[mode][1].removeprefix("SwapOptimizer: ")
         return None
 
     @functools.cached_property
@@ -498,12 +500,12 @@ def row_notes(rows: list[dict], dtype: torch.dtype, planner: Planner, state_mode
                     "decoded, a float32 copy of each bf16 one for 16-bit params, Kahan's float32 stand-in param "
                     "and grad)." if len(planner.modes()) > 1 else ".")]
     shown = [mode for mode in STATE_MODES if not (mode in SIXTEEN_BIT_MODES and dtype == torch.float32)]
-    refused: dict[str, list[str]] = {}  # SwapOptimizer's refusal -> the modes it refuses so
+    refused: dict[str, list[str]] = {}  # SwapOptimizer's refusal -> the modes (and their settings) it refuses so
     for mode in shown:
         if planner.refusal(mode) is not None:
-            refused.setdefault(planner.refusal(mode), []).append(f"'swapped {mode}'")
-    notes += [f"Note: no {', '.join(modes)} row{'s' if len(modes) > 1 else ''}: {refusal}"
-              for refusal, modes in refused.items()]
+            refused.setdefault(planner.refusal(mode), []).append(f"'swapped {mode}' ({settings_of(mode)})")
+    notes += [f"Note: no {', '.join(modes)} row{'s' if len(modes) > 1 else ''}: SwapOptimizer refuses "
+              f"{planner.name} so: {sentence(refusal)}" for refusal, modes in refused.items()]
     for mode in shown:
         same = planner.left_out().get(mode)
         if same is not None:
@@ -513,7 +515,8 @@ def row_notes(rows: list[dict], dtype: torch.dtype, planner: Planner, state_mode
                          f"{same_store_reason(planner, mode, dtype)}.")
     if state_mode != "default" and not (state_mode in shown and state_mode in planner.left_out()):
         # (a left-out mode's note says them)
-        notes += [f"Note: --state-mode {state_mode}: {warning}" for warning in planner.wrap_warnings(state_mode)]
+        notes += [f"Note: --state-mode {state_mode}: {sentence(warning)}"
+                  for warning in planner.wrap_warnings(state_mode)]
     if "swapped bf16" in named and dtype != torch.float32 and \
             named["swapped bf16"]["state_bytes_per_param"] == named["swapped"]["state_bytes_per_param"]:
         change = "only their rounding (stochastic instead of to nearest)" if dtype == torch.bfloat16 else \
@@ -524,6 +527,11 @@ def row_notes(rows: list[dict], dtype: torch.dtype, planner: Planner, state_mode
                      f"them), and state_dtype=torch.bfloat16 changes {change}. It halves the state of fp32 params"
                      + (f"; for 16-bit params, {' and '.join(fewer)} move fewer bytes." if fewer else "."))
     return notes
+
+
+def sentence(text: str) -> str:
+    """`text` ending with a full stop (SwapOptimizer's messages end without one)."""
+    return text if text.endswith(".") else text + "."
 
 
 def settings_of(mode: str) -> str:
@@ -540,8 +548,8 @@ def same_store_reason(planner: Planner, mode: str, dtype: torch.dtype) -> str:
         return "SwapOptimizer warns: " + "; ".join(warned)
     if "8bit" in mode and all(numel < MIN_QUANTIZED_NUMEL for numel in planner.whole_numels):
         return f"no param has the {MIN_QUANTIZED_NUMEL} elements 8-bit states need (docs/usage.md, 'Compact states')"
-    if dtype == torch.bfloat16:
-        return "the states of bf16 params are bf16 already (docs/usage.md, 'Compact states')"
+    if mode == "bf16" and dtype == torch.bfloat16:
+        return "the element states of bf16 params are bf16 already (docs/usage.md, 'Compact states')"
     return "every state comes out as there (docs/usage.md, 'Compact states')"
 
 

@@ -46,7 +46,9 @@ def signals_after_the_step():
     thread only: work on another thread is never interrupted.) A handler
     wrapped meanwhile (an overlapped step's wait-first wrapper, installed by
     the step itself: it keeps the handler it wraps in `.handler`) keeps its
-    wrapper, around the handler it had before."""
+    wrapper, around the handler it had before, unless that handler was
+    already such a wrapper (wrapped at an earlier step): then that one is put
+    back as it was, so wrappers never nest, step after step."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -65,7 +67,7 @@ def signals_after_the_step():
     finally:
         for signum, handler in saved.items():
             now = signal.getsignal(signum)
-            if getattr(now, "handler", None) is note:
+            if getattr(now, "handler", None) is note and type(handler) is not type(now):
                 now.handler = handler
                 handler = now
             signal.signal(signum, handler)

@@ -167,7 +167,7 @@ def case_fsdp2_split(rank, device, work_dir):
     ours = SwapOptimizer(adamw(model.parameters()), swap_times=8, min_numel=64)
     plain = adamw(reference.parameters())
     assert ours.memory_stats()["split_params"] >= 1
-    pieces = [piece for batch in ours._batch_plan() for piece in batch["pieces"]]
+    pieces = [piece for batch in ours._batch_layout() for piece in batch["pieces"]]
     assert any(offset > 0 for _, offset, _ in pieces)
     train(model, ours, 4, 0, device, rank)
     train(reference, plain, 4, 0, device, rank)

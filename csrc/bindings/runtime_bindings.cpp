@@ -106,7 +106,7 @@ py::list batch_layout(const runtime::StoreLayout& layout) {
   X(int64_t, finest_swap_times)                                                                 \
   X(std::vector<int64_t>, param_state_bytes)  /* per param, every key it keeps */              \
   X(int64_t, swapped_state_bytes)  /* exact, without the regions' alignment or the step table */ \
-  X(py::tuple, batch_layout)       /* per batch, as SwapRuntime.batch_layout() lists it */        \
+  X(py::tuple, batch_layout)       /* per batch, as SwapRuntime.batch_layout() lists it */      \
   X(int64_t, update_temporary_bytes)  /* device bytes the update allocates beside the arenas */
 
 struct StagingSummary {

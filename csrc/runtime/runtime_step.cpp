@@ -120,13 +120,13 @@ void SwapRuntime::Step::update(int64_t position, int slot) {
   transport.delay_compute();  // test hook
   transport.stamp(Queue::kCompute, stamp_index(position, kUpdateStamp));
   const int64_t batch = runtime_.order_[position];
-  const BatchLayout& plan = runtime_.layout_.batches[batch];
+  const BatchLayout& batch_layout = runtime_.layout_.batches[batch];
   const at::Tensor arena = runtime_.arena_for(batch, slot);
   // States kept on the device join the arena for the update and go back after it.
   // Row by row: each a contiguous copy (a strided uint8 copy_ would run
   // TensorIterator's elementwise kernel instead of a memcpy).
   auto join = [&](bool into_arena) {
-    for (const RegionCopy& copy : plan.resident_copies) {
+    for (const RegionCopy& copy : batch_layout.resident_copies) {
       for (int64_t r = 0; r < copy.rows; ++r) {
         at::Tensor in_arena = arena.narrow(0, copy.arena_offset + r * copy.arena_pitch, copy.width);
         at::Tensor home = runtime_.resident_store_.narrow(0, copy.offset + r * copy.pitch, copy.width);
@@ -164,14 +164,14 @@ void* SwapRuntime::Step::host_at(const RegionCopy& copy) const {
 }
 
 void SwapRuntime::Step::update_rows(int64_t position, int64_t batch, const at::Tensor& arena) {
-  const BatchLayout& plan = runtime_.layout_.batches[batch];
-  const int64_t count = static_cast<int64_t>(plan.rows.size());
+  const BatchLayout& batch_layout = runtime_.layout_.batches[batch];
+  const int64_t count = static_cast<int64_t>(batch_layout.rows.size());
   if (runtime_.batch_update_) {
     inject(FaultPoint::kUpdateLastCall, position, "last op call");
     // As for the fused op: the update bumps no param's version counter.
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     std::vector<at::Tensor> params, grads;
-    for (const PieceRow& row : plan.rows) {
+    for (const PieceRow& row : batch_layout.rows) {
       params.push_back(runtime_.params_[row.slot]);
       grads.push_back(grads_[row.slot]);
     }
@@ -185,11 +185,11 @@ void SwapRuntime::Step::update_rows(int64_t position, int64_t batch, const at::T
   }
   std::vector<std::pair<int64_t, int64_t>> runs;
   for (int64_t begin = 0; begin < count;) {
-    const int64_t first = plan.rows[begin].slot;
+    const int64_t first = batch_layout.rows[begin].slot;
     int64_t end = begin + 1;
     if (has_grad_[first]) {
-      while (end < count && has_grad_[plan.rows[end].slot] &&
-             runtime_.group_of_param_[plan.rows[end].slot] == runtime_.group_of_param_[first]) {
+      while (end < count && has_grad_[batch_layout.rows[end].slot] &&
+             runtime_.group_of_param_[batch_layout.rows[end].slot] == runtime_.group_of_param_[first]) {
         ++end;
       }
       runs.emplace_back(begin, end);
@@ -200,13 +200,13 @@ void SwapRuntime::Step::update_rows(int64_t position, int64_t batch, const at::T
   for (size_t r = 0; r < runs.size(); ++r) {
     const auto [begin, end] = runs[r];
     if (r + 1 == runs.size()) inject(FaultPoint::kUpdateLastCall, position, "last op call");
-    call_op(plan, begin, end, arena, layout.narrow(0, begin, end - begin),
-            group_args_[runtime_.group_of_param_[plan.rows[begin].slot]]);
+    call_op(batch_layout, begin, end, arena, layout.narrow(0, begin, end - begin),
+            group_args_[runtime_.group_of_param_[batch_layout.rows[begin].slot]]);
     progress_.second = end;
   }
 }
 
-void SwapRuntime::Step::call_op(const BatchLayout& plan, int64_t begin, int64_t end, const at::Tensor& arena,
+void SwapRuntime::Step::call_op(const BatchLayout& batch_layout, int64_t begin, int64_t end, const at::Tensor& arena,
                                 const at::Tensor& layout, const PackedUpdateArgs& args) {
   // Below autograd and ADInplaceOrView: the step bumps no param's version
   // counter (the op never did; the write-back of a strided param would), so
@@ -216,7 +216,7 @@ void SwapRuntime::Step::call_op(const BatchLayout& plan, int64_t begin, int64_t 
   std::vector<at::Tensor> params, grads;
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (param, contiguous copy)
   for (int64_t k = begin; k < end; ++k) {
-    const int64_t slot = plan.rows[k].slot;
+    const int64_t slot = batch_layout.rows[k].slot;
     const at::Tensor& param = runtime_.params_[slot];
     if (param.is_contiguous()) {
       params.push_back(param);

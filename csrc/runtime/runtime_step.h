@@ -46,7 +46,7 @@ class SwapRuntime::Step final : public BatchWork {
   void stage_in_step_table() override;
   void stage_out_step_table() override;
 
-  // The pipeline calls these by position; runtime_.order_ gives the plan's batch.
+  // The pipeline calls these by position; runtime_.order_ gives the layout's batch.
   void stage_in(int64_t position, int slot) override;
   void stage_out(int64_t position, int slot) override;
 
@@ -56,7 +56,7 @@ class SwapRuntime::Step final : public BatchWork {
 
   void update(int64_t position, int slot) override;
 
-  // Whether the update of `row` of plan batch `batch` has run (its param has a grad and its op call returned).
+  // Whether the update of `row` of layout batch `batch` has run (its param has a grad and its op call returned).
   bool row_updated(int64_t batch, int64_t row) const;
 
   // Timeline stamps: 0 is the step's start, then per position the start and
@@ -75,7 +75,7 @@ class SwapRuntime::Step final : public BatchWork {
   // another optimizer's rule: one call for the batch.
   void update_rows(int64_t position, int64_t batch, const at::Tensor& arena);
 
-  void call_op(const BatchLayout& plan, int64_t begin, int64_t end, const at::Tensor& arena,
+  void call_op(const BatchLayout& batch_layout, int64_t begin, int64_t end, const at::Tensor& arena,
                const at::Tensor& layout, const PackedUpdateArgs& args);
 
   SwapRuntime& runtime_;

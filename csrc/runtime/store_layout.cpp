@@ -283,19 +283,19 @@ std::vector<std::pair<int64_t, int64_t>> partition_balanced(const std::vector<in
   return ranges;
 }
 
-StoreLayout lay_out_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_keys,
-                     int64_t swap_times, int64_t step_bytes) {
+StoreLayout lay_out_store(const std::vector<SlotSpec>& specs, const KeyFlags& swap_keys, int64_t swap_times,
+                          int64_t step_bytes) {
   if (swap_times < 1) throw std::invalid_argument("lay_out_store: swap_times must be >= 1");
-  StoreLayout plan;
+  StoreLayout layout;
   const int64_t slot_count = static_cast<int64_t>(specs.size());
   for (const SlotSpec& spec : specs) {
     if (spec.states.size() != swap_keys.size()) {
       throw std::invalid_argument("lay_out_store: every slot needs one state layout per swap key");
     }
   }
-  plan.slots.assign(slot_count, SlotPlacement{std::vector<StateHome>(swap_keys.size())});
-  plan.host_region_bytes.push_back(slot_count * step_bytes);  // kStepTableRegion
-  plan.step_table_bytes = align_up(slot_count * step_bytes, kRegionAlignment);
+  layout.slots.assign(slot_count, SlotPlacement{std::vector<StateHome>(swap_keys.size())});
+  layout.host_region_bytes.push_back(slot_count * step_bytes);  // kStepTableRegion
+  layout.step_table_bytes = align_up(slot_count * step_bytes, kRegionAlignment);
 
   std::vector<int64_t> resident_slots, swappable_slots;
   for (int64_t i = 0; i < slot_count; ++i) (specs[i].swappable ? swappable_slots : resident_slots).push_back(i);
@@ -308,25 +308,25 @@ StoreLayout lay_out_store(const std::vector<SlotSpec>& specs, const KeyFlags& sw
     for (size_t k = 0; k < resident_slots.size(); ++k) {
       const int64_t slot = resident_slots[k];
       if (k == 0 || specs[slot].resident_group != specs[resident_slots[k - 1]].resident_group) {
-        plan.batches.emplace_back().resident = true;
+        layout.batches.emplace_back().resident = true;
       }
-      BatchLayout& batch = plan.batches.back();
-      const int64_t index = static_cast<int64_t>(plan.batches.size()) - 1;
+      BatchLayout& batch = layout.batches.back();
+      const int64_t index = static_cast<int64_t>(layout.batches.size()) - 1;
       PieceRow& row = batch.rows.emplace_back(
           PieceRow{slot, 0, specs[slot].numel, KeyOffsets(swap_keys.size(), kNoOffset), slot, true});
       cursor = place_whole(specs[slot], keys_at(specs[slot], swap_keys, false), cursor, kResidentStore, 0,
-                           &row.arena_offset, plan.slots[slot]);
-      plan.slots[slot].first_batch = plan.slots[slot].last_batch = index;
+                           &row.arena_offset, layout.slots[slot]);
+      layout.slots[slot].first_batch = layout.slots[slot].last_batch = index;
       batch.arena_bytes = cursor;
     }
-    plan.resident_store_bytes = align_up(cursor, kRegionAlignment);
+    layout.resident_store_bytes = align_up(cursor, kRegionAlignment);
   }
 
   const PieceBatches pieces = partition_pieces(specs, swappable_slots, swap_times);
-  const int64_t first_rotating = static_cast<int64_t>(plan.batches.size());
+  const int64_t first_rotating = static_cast<int64_t>(layout.batches.size());
   for (size_t b = 0; b < pieces.size(); ++b) {
     for (const Piece& piece : pieces[b]) {
-      SlotPlacement& placement = plan.slots[piece.slot];
+      SlotPlacement& placement = layout.slots[piece.slot];
       if (placement.first_batch < 0) placement.first_batch = first_rotating + static_cast<int64_t>(b);
       placement.last_batch = first_rotating + static_cast<int64_t>(b);
       placement.split = piece.count != specs[piece.slot].numel;
@@ -336,21 +336,21 @@ StoreLayout lay_out_store(const std::vector<SlotSpec>& specs, const KeyFlags& sw
   // region of its own, its device-kept states in a block of the resident store,
   // one after another, each aligned.
   for (int64_t slot : swappable_slots) {
-    SlotPlacement& placement = plan.slots[slot];
+    SlotPlacement& placement = layout.slots[slot];
     if (!placement.split) continue;
     const std::vector<int> host_keys = keys_at(specs[slot], swap_keys, true);
     if (!host_keys.empty()) {
-      const int64_t region = static_cast<int64_t>(plan.host_region_bytes.size());
-      plan.host_region_bytes.push_back(place_whole(specs[slot], host_keys, 0, region, 0, nullptr, placement));
+      const int64_t region = static_cast<int64_t>(layout.host_region_bytes.size());
+      layout.host_region_bytes.push_back(place_whole(specs[slot], host_keys, 0, region, 0, nullptr, placement));
     }
-    const int64_t block = plan.resident_store_bytes;
+    const int64_t block = layout.resident_store_bytes;
     const int64_t end = place_whole(specs[slot], keys_at(specs[slot], swap_keys, false), 0, kResidentStore, block,
                                     nullptr, placement);
-    plan.resident_store_bytes += align_up(end, kRegionAlignment);
+    layout.resident_store_bytes += align_up(end, kRegionAlignment);
   }
 
   for (const std::vector<Piece>& batch_pieces : pieces) {
-    BatchLayout& batch = plan.batches.emplace_back();
+    BatchLayout& batch = layout.batches.emplace_back();
     for (const Piece& piece : batch_pieces) {
       PieceRow& row = batch.rows.emplace_back(
           PieceRow{piece.slot, piece.offset, piece.count, KeyOffsets(swap_keys.size(), kNoOffset), piece.slot, false});
@@ -359,54 +359,54 @@ StoreLayout lay_out_store(const std::vector<SlotSpec>& specs, const KeyFlags& sw
     // Host states: whole params packed as in the batch's own host region, then
     // pieces. The region exists whenever a whole param has host states, even
     // empty ones (a param of 0 elements): their views point into it.
-    const int64_t packed_region = static_cast<int64_t>(plan.host_region_bytes.size());
+    const int64_t packed_region = static_cast<int64_t>(layout.host_region_bytes.size());
     int64_t cursor = 0;
     bool packed_states = false;
     for (PieceRow& row : batch.rows) {
-      if (plan.slots[row.slot].split) continue;
+      if (layout.slots[row.slot].split) continue;
       const std::vector<int> keys = keys_at(specs[row.slot], swap_keys, true);
       packed_states |= !keys.empty();
-      cursor = place_whole(specs[row.slot], keys, cursor, packed_region, 0, &row.arena_offset, plan.slots[row.slot]);
+      cursor = place_whole(specs[row.slot], keys, cursor, packed_region, 0, &row.arena_offset, layout.slots[row.slot]);
     }
-    if (packed_states) plan.host_region_bytes.push_back(cursor);
+    if (packed_states) layout.host_region_bytes.push_back(cursor);
     if (cursor > 0) batch.host_copies.push_back({packed_region, 0, cursor, 0, cursor, cursor, 1});
     for (PieceRow& row : batch.rows) {
-      if (!plan.slots[row.slot].split) continue;
-      cursor = place_piece(specs[row.slot], keys_at(specs[row.slot], swap_keys, true), plan.slots[row.slot], cursor,
+      if (!layout.slots[row.slot].split) continue;
+      cursor = place_piece(specs[row.slot], keys_at(specs[row.slot], swap_keys, true), layout.slots[row.slot], cursor,
                            row, batch.host_copies);
     }
     // Device-kept states after them: whole params as in the batch's block of the
     // resident store (one copy), then pieces from their params' blocks.
     const int64_t resident_begin = align_up(cursor, kRegionAlignment);
-    const int64_t block = plan.resident_store_bytes - resident_begin;  // home = block + arena offset
+    const int64_t block = layout.resident_store_bytes - resident_begin;  // home = block + arena offset
     int64_t resident_end = resident_begin;
     for (PieceRow& row : batch.rows) {
-      if (plan.slots[row.slot].split) continue;
+      if (layout.slots[row.slot].split) continue;
       resident_end = place_whole(specs[row.slot], keys_at(specs[row.slot], swap_keys, false), resident_end,
-                                 kResidentStore, block, &row.arena_offset, plan.slots[row.slot]);
+                                 kResidentStore, block, &row.arena_offset, layout.slots[row.slot]);
     }
     if (resident_end > resident_begin) {
       const int64_t bytes = resident_end - resident_begin;
-      batch.resident_copies.push_back({kResidentStore, plan.resident_store_bytes, bytes, resident_begin, bytes,
+      batch.resident_copies.push_back({kResidentStore, layout.resident_store_bytes, bytes, resident_begin, bytes,
                                        bytes, 1});
-      plan.resident_store_bytes += align_up(bytes, kRegionAlignment);
+      layout.resident_store_bytes += align_up(bytes, kRegionAlignment);
     }
     for (PieceRow& row : batch.rows) {
-      if (!plan.slots[row.slot].split) continue;
-      resident_end = place_piece(specs[row.slot], keys_at(specs[row.slot], swap_keys, false), plan.slots[row.slot],
+      if (!layout.slots[row.slot].split) continue;
+      resident_end = place_piece(specs[row.slot], keys_at(specs[row.slot], swap_keys, false), layout.slots[row.slot],
                                  resident_end, row, batch.resident_copies);
     }
     for (const RegionCopy& copy : batch.host_copies) batch.host_bytes += copy.width * copy.rows;
     batch.arena_bytes = std::max(cursor, resident_end);
-    plan.staging_arena_bytes = std::max(plan.staging_arena_bytes, batch.arena_bytes);
-    plan.moved_bytes += batch.host_bytes;
-    ++plan.rotating_batches;
+    layout.staging_arena_bytes = std::max(layout.staging_arena_bytes, batch.arena_bytes);
+    layout.moved_bytes += batch.host_bytes;
+    ++layout.rotating_batches;
   }
-  plan.moved_bytes += plan.host_region_bytes[kStepTableRegion];
-  plan.split_params = std::count_if(plan.slots.begin(), plan.slots.end(),
+  layout.moved_bytes += layout.host_region_bytes[kStepTableRegion];
+  layout.split_params = std::count_if(layout.slots.begin(), layout.slots.end(),
                                     [](const SlotPlacement& slot) { return slot.split; });
-  plan.host_bytes = std::accumulate(plan.host_region_bytes.begin(), plan.host_region_bytes.end(), int64_t{0});
-  return plan;
+  layout.host_bytes = std::accumulate(layout.host_region_bytes.begin(), layout.host_region_bytes.end(), int64_t{0});
+  return layout;
 }
 
 }  // namespace swap_optimizer::runtime

@@ -24,7 +24,7 @@ constexpr int64_t kSplitGranule = 256;
 constexpr int64_t kMinPieceBytes = int64_t{64} << 10;
 
 // How one state of a param is laid out, by the bytes `count` of its elements
-// take. Every slot of a plan has the same keys (an optimizer's states); a key
+// take. Every slot of a layout has the same keys (an optimizer's states); a key
 // the slot does not keep is absent.
 enum class StateKind : int {
   kAbsent,
@@ -127,7 +127,7 @@ struct BatchLayout {
 
 struct StoreLayout {
   std::vector<SlotPlacement> slots;
-  std::vector<BatchLayout> batches;          // the resident batches, if any, come first
+  std::vector<BatchLayout> batches;        // the resident batches, if any, come first
   std::vector<int64_t> host_region_bytes;  // exact size of each host region; 0 is the step table
   int64_t rotating_batches = 0;            // batches that go through staging arenas
   int64_t staging_arena_bytes = 0;         // the largest arena of a rotating batch
@@ -163,7 +163,7 @@ int64_t finest_swap_times(const std::vector<SlotSpec>& slots);
 // the largest arena is then at most about state / swap_times + 2 * kMinPieceBytes.
 // A slot that cannot be split stays whole; a batch holding one larger than the
 // capacity holds only it. swap_keys has one flag per key of the slots.
-StoreLayout lay_out_store(const std::vector<SlotSpec>& slots, const KeyFlags& swap_keys,
-                     int64_t swap_times, int64_t step_bytes);
+StoreLayout lay_out_store(const std::vector<SlotSpec>& slots, const KeyFlags& swap_keys, int64_t swap_times,
+                          int64_t step_bytes);
 
 }  // namespace swap_optimizer::runtime

@@ -28,8 +28,8 @@ at::Tensor own_storage_view(const at::Tensor& base, int64_t offset, c10::IntArra
 
 }  // namespace
 
-int64_t staging_bytes_of(const StoreLayout& plan, int64_t num_arenas) {
-  return std::min(num_arenas, plan.rotating_batches) * plan.staging_arena_bytes + plan.step_table_bytes;
+int64_t staging_bytes_of(const StoreLayout& layout, int64_t num_arenas) {
+  return std::min(num_arenas, layout.rotating_batches) * layout.staging_arena_bytes + layout.step_table_bytes;
 }
 
 int64_t smallest_swap_times_for_budget(const std::vector<SlotSpec>& specs, const KeyFlags& swap_keys,
@@ -149,7 +149,7 @@ void SwapRuntime::set_up() {
   for (size_t b = 0; b < plan_order.size(); ++b) plan_order[b] = static_cast<int64_t>(b);
   adopt_order(std::move(plan_order));
 
-  // Host slabs: one exact-size allocation per host region of the plan.
+  // Host slabs: one exact-size allocation per host region of the layout.
   const bool pin = device_.is_cuda() && options_.pin_memory;
   pinned_ = pin;
   for (const int64_t bytes : layout_.host_region_bytes) {
@@ -198,7 +198,7 @@ void SwapRuntime::adopt_order(std::vector<int64_t> order) {
   position_of_.assign(order_.size(), 0);
   slot_of_batch_.clear();
   // Rotating batch r (in pipeline order) uses arena r mod N; resident batch k
-  // (in plan order) has slot N + k of its own.
+  // (in layout order) has slot N + k of its own.
   int64_t rotating = 0;
   std::vector<int64_t> last_position(params_.size(), -1);
   for (size_t position = 0; position < order_.size(); ++position) {
@@ -248,12 +248,12 @@ std::vector<int64_t> SwapRuntime::pipeline_order() const {
 }
 
 at::Tensor SwapRuntime::arena_for(int64_t batch, int slot) const {
-  const BatchLayout& plan = layout_.batches[batch];
-  if (plan.resident) {  // params whose states (if any: SGD without momentum keeps none) stay on the device
-    return resident_store_.defined() ? resident_store_.narrow(0, 0, plan.arena_bytes)
+  const BatchLayout& batch_layout = layout_.batches[batch];
+  if (batch_layout.resident) {  // params whose states (if any: SGD without momentum keeps none) stay on the device
+    return resident_store_.defined() ? resident_store_.narrow(0, 0, batch_layout.arena_bytes)
                                      : at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device_));
   }
-  return arenas_[slot].narrow(0, 0, plan.arena_bytes);
+  return arenas_[slot].narrow(0, 0, batch_layout.arena_bytes);
 }
 
 std::vector<int64_t> SwapRuntime::torn_params() const {

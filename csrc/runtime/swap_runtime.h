@@ -60,7 +60,7 @@ struct TestHooks {
 
 // A batch's update by a rule other than the fused Adam op (torch's own update
 // of another optimizer): called once per batch with the compute queue current,
-// under no_grad, with the batch's index in the plan, its arena (every kept
+// under no_grad, with the batch's index in the layout, its arena (every kept
 // state of its rows at the rows' arena offsets) and, per row, the param and
 // its grad (undefined: none this step). It may throw to fail the batch.
 using BatchUpdate = std::function<void(int64_t batch, const at::Tensor& arena, const std::vector<at::Tensor>& params,
@@ -68,7 +68,7 @@ using BatchUpdate = std::function<void(int64_t batch, const at::Tensor& arena, c
 
 // Device bytes a step allocates for staging: min(num_arenas, batches) arenas of
 // the largest batch, and the device step table.
-int64_t staging_bytes_of(const StoreLayout& plan, int64_t num_arenas);
+int64_t staging_bytes_of(const StoreLayout& layout, int64_t num_arenas);
 
 // The smallest swap_times whose staging (staging_bytes_of) fits in budget_bytes,
 // or -1 when none does; then *smallest_possible_bytes says what the finest
@@ -152,8 +152,8 @@ class SwapRuntime {
   bool on_update_thread() const { return update_thread_id_.load() == std::this_thread::get_id(); }
 
   // Runs the batches in the order of their params' ranks (a chain of batches
-  // that cut a param moves as one, by its least rank; ties keep plan order).
-  // The host slabs stay where they are. pipeline_order()[p]: the plan's index
+  // that cut a param moves as one, by its least rank; ties keep layout order).
+  // The host slabs stay where they are. pipeline_order()[p]: the layout's index
   // of the batch at position p.
   void set_batch_order(const std::vector<int64_t>& rank_of_param);
   std::vector<int64_t> pipeline_order() const;
@@ -227,8 +227,8 @@ class SwapRuntime {
   std::atomic<std::thread::id> stepping_thread_{};  // the thread inside step(), if any
   Step* current_step_ = nullptr;                     // its work, for synchronize() from that thread
   int arena_count_ = 0;
-  std::vector<int64_t> order_;        // plan batch at each pipeline position
-  std::vector<int64_t> position_of_;  // pipeline position of each plan batch
+  std::vector<int64_t> order_;        // layout batch at each pipeline position
+  std::vector<int64_t> position_of_;  // pipeline position of each layout batch
   std::vector<int> slot_of_batch_;    // arena slot of each pipeline position
   std::vector<std::vector<int64_t>> last_read_at_;  // per position: the params whose last batch it is
   std::unique_ptr<Transport> transport_;

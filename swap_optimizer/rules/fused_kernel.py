@@ -287,7 +287,7 @@ class PackedKernelRule:
                 check_distinct(params)
                 opt._data_pointers = data_pointers
             self._sync_outside_changes(opt, params)
-            opt._settle_budget_choice()  # may move the (synced) store to a new plan
+            opt._settle_budget_choice()  # may move the (synced) store to a new store layout
             deferred = opt._overlap is not None and opt._overlap.may_defer()  # after any rebuild or move
             grads = [None if p.grad is None else _local(p.grad) for p in params]
             state = opt.__dict__["_state"]

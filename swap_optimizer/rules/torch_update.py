@@ -24,8 +24,8 @@ from ..distributed import (_check_fsdp_8bit, _global_offset, _is_dtensor, _like_
 from ..params import check_distinct, check_overlap_params, check_params, param_versions, written_since
 from ..state_dicts import check_readable, check_state_entry
 from ..step_guards import signals_after_the_step
-from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, EIGHT_BIT, BatchCodec, blocks,
-                             compact_of, compacts, encode_exact, form_for, kahan_applies, kahan_round, kahan_stand_in,
+from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, EIGHT_BIT, BatchCodec, blocks, compact_of, compacts,
+                             encode_exact, form_for, kahan_applies, kahan_round, kahan_stand_in,
                              scratch_bytes_per_element, store_keys, update_dtype, warn_if_no_16_bit)
 from .declarations import (DECLARATIONS, ELEMENT, SCALAR, WHOLE, Declaration, estimated_temporaries)
 

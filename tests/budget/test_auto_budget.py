@@ -350,7 +350,7 @@ def test_with_overlap_the_residents_follow_the_forward_and_each_block_has_its_ow
     # the forward's first reads get the room first; in param order the embedding, read first, is last
     assert {"embed.weight", "blocks.0.up.weight"} <= resident and "embed.weight" not in by_param_order
     # a resident batch per block (or module outside the blocks), the embedding's (read first) first
-    resident_batches = [[names[i] for i in b["params"]] for b in optimizer._batch_plan() if b["resident"]]
+    resident_batches = [[names[i] for i in b["params"]] for b in optimizer._batch_layout() if b["resident"]]
     owners = [{name.rsplit(".", 2)[0] if name.startswith("blocks.") else name.split(".")[0] for name in batch}
               for batch in resident_batches]
     assert all(len(owner) == 1 for owner in owners) and owners[0] == {"embed"} and {"blocks.0"} in owners
@@ -469,6 +469,6 @@ def test_a_module_shared_between_blocks_does_not_tie_them_together():
         model(torch.randn(8, 64)).square().mean().backward()
         optimizer.step()
     optimizer.wait()
-    resident_batches = [{names[i] for i in b["params"]} for b in optimizer._batch_plan() if b["resident"]]
+    resident_batches = [{names[i] for i in b["params"]} for b in optimizer._batch_layout() if b["resident"]]
     for k in range(1, 4):  # each later block's own params form a resident batch of their own
         assert {f"blocks.{k}.up.weight", f"blocks.{k}.up.bias"} in resident_batches

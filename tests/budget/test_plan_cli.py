@@ -502,29 +502,36 @@ def test_modes_whose_states_stay_exact_are_no_rows_and_say_so(tmp_path, capsys):
     report, rows = run_plan(tmp_path, "--config", config, "--optimizer", "sgd", "--optimizer-args", "momentum=0.9")
     assert set(rows) == {"resident SGD", "swapped", "swapped 8bit", "swapped kahan", "swapped kahan+8bit"}
     note = "no 'swapped bf16' row: SwapOptimizer takes SGD with state_dtype=torch.bfloat16 and keeps the store of " \
-           "'swapped' (momentum_buffer): the same bytes and update, as the states of bf16 params are bf16 already"
+           "'swapped' (momentum_buffer): the same bytes and update, as the element states of bf16 params are bf16 " \
+           "already"
     assert note in printed(capsys) and any(note in line for line in report["notes"])
 
 
+MASTER = "'swapped master' (master_weights=True, state_dtype=torch.float32) row"
+
+
 @pytest.mark.parametrize("name, refused", [
-    ("sgd", {"'swapped master' row": "state_dtype, master_weights work(s) with Adam/AdamW only"}),
-    ("adafactor", {"'swapped bf16' row": "state_dtype=torch.bfloat16 works with elementwise optimizers",
-                   "'swapped 8bit', 'swapped kahan+8bit' rows": "state_dtype=torch.uint8 works with elementwise",
-                   "'swapped master' row": "state_dtype, master_weights work(s) with Adam/AdamW only",
-                   "'swapped kahan' row": "kahan_summation=True works with elementwise optimizers"}),
+    ("sgd", {MASTER: "state_dtype, master_weights work(s) with Adam/AdamW only"}),
+    ("adafactor", {"'swapped bf16' (state_dtype=torch.bfloat16) row": "state_dtype=torch.bfloat16 works with "
+                                                                      "elementwise optimizers",
+                   "'swapped 8bit' (state_dtype=torch.uint8), 'swapped kahan+8bit' (kahan_summation=True, "
+                   "state_dtype=torch.uint8) rows": "state_dtype=torch.uint8 works with elementwise",
+                   MASTER: "state_dtype, master_weights work(s) with Adam/AdamW only",
+                   "'swapped kahan' (kahan_summation=True) row": "kahan_summation=True works with elementwise"}),
 ])
 def test_modes_swapoptimizer_refuses_are_no_rows_and_say_why(tmp_path, capsys, name, refused):
     """A state mode SwapOptimizer refuses for the optimizer is a note with its
-    refusal (the same refusal once, naming every mode it refuses)."""
+    settings and refusal (the same refusal once, naming every mode it refuses)."""
+    name_of = {"sgd": "SGD", "adafactor": "Adafactor"}
     config = write_config(tmp_path, **TINY_LLAMA)
     report, rows = run_plan(tmp_path, "--config", config, "--optimizer", name)
     out = printed(capsys)
     for modes, refusal in refused.items():
-        assert f"Note: no {modes}: {refusal}" in out
+        assert f"Note: no {modes}: SwapOptimizer refuses {name_of[name]} so: {refusal}" in out
         assert sum(line.startswith(f"Note: no {modes}") for line in report["notes"]) == 1
     for modes in refused:
-        for mode in modes.split(", "):
-            assert mode.split("'")[1] not in rows
+        for mode in modes.split("'")[1::2]:
+            assert mode not in rows
 
 
 def test_the_chosen_state_modes_wrap_warnings_are_notes(tmp_path, capsys):
@@ -534,7 +541,7 @@ def test_the_chosen_state_modes_wrap_warnings_are_notes(tmp_path, capsys):
     report, _ = run_plan(tmp_path, "--config", config, "--dtype", "fp32", "--optimizer", "sgd", "--optimizer-args",
                          "momentum=0.9", "--device-memory", 1, "--state-mode", "kahan")
     note = "Note: --state-mode kahan: kahan_summation=True applies to 16-bit params, and this optimizer has none; it " \
-           "does nothing here"
+           "does nothing here."
     assert note in printed(capsys) and note in report["notes"]
     report, _ = run_plan(tmp_path, "--config", config, "--dtype", "bf16", "--optimizer", "sgd", "--optimizer-args",
                          "momentum=0.9", "--device-memory", 1, "--state-mode", "kahan")

@@ -282,7 +282,7 @@ void check_partition() {
   }
 }
 
-// Random params (some empty), states and swap_times: the plan covers every
+// Random params (some empty), states and swap_times: the layout covers every
 // element of every param once, in order, in pieces starting at multiples of
 // the granule; no two states overlap in an arena or a home; each state's piece in
 // the arena is exactly where the batch's copies bring its home bytes; and the
@@ -311,24 +311,24 @@ void check_plan() {
     for (int key = 0; key < key_count; ++key) swap_keys[key] = random() % 4 != 0;
     const int64_t swap_times = 1 + random() % 40;
     const int64_t step_bytes = random() % 2 ? 4 : 0;
-    const rt::StoreLayout plan = rt::lay_out_store(specs, swap_keys, swap_times, step_bytes);
-    const std::string where = "plan trial " + std::to_string(trial);
-    expect(plan.rotating_batches <= swap_times, where + ": at most swap_times batches");
+    const rt::StoreLayout layout = rt::lay_out_store(specs, swap_keys, swap_times, step_bytes);
+    const std::string where = "layout trial " + std::to_string(trial);
+    expect(layout.rotating_batches <= swap_times, where + ": at most swap_times batches");
 
     // Homes: inside their host region, and no two states overlapping in a region or the resident store.
-    std::vector<std::vector<std::pair<int64_t, int64_t>>> home_ranges(plan.host_region_bytes.size() + 1);
+    std::vector<std::vector<std::pair<int64_t, int64_t>>> home_ranges(layout.host_region_bytes.size() + 1);
     for (size_t i = 0; i < specs.size(); ++i) {
       for (int key = 0; key < key_count; ++key) {
-        const rt::StateHome& home = plan.slots[i].home[key];
+        const rt::StateHome& home = layout.slots[i].home[key];
         if (home.offset == rt::kNoOffset || specs[i].numel == 0) continue;
         const int64_t end = home.offset + rt::key_bytes(specs[i], key, specs[i].numel);
         if (home.region == rt::kResidentStore) {
-          expect(end <= plan.resident_store_bytes, where + ": inside the resident store");
+          expect(end <= layout.resident_store_bytes, where + ": inside the resident store");
           home_ranges.back().emplace_back(home.offset, end);
         } else {
           expect(home.region > rt::kStepTableRegion &&
-                     home.region < static_cast<int64_t>(plan.host_region_bytes.size()) &&
-                     end <= plan.host_region_bytes[home.region],
+                     home.region < static_cast<int64_t>(layout.host_region_bytes.size()) &&
+                     end <= layout.host_region_bytes[home.region],
                  where + ": inside its host region");
           home_ranges[home.region].emplace_back(home.offset, end);
         }
@@ -345,17 +345,17 @@ void check_plan() {
     int64_t total = 0;
     for (size_t i = 0; i < specs.size(); ++i) {
       for (int key = 0; key < key_count; ++key) {
-        if (specs[i].swappable && plan.slots[i].home[key].offset != rt::kNoOffset) {
+        if (specs[i].swappable && layout.slots[i].home[key].offset != rt::kNoOffset) {
           total += rt::align_up(rt::key_bytes(specs[i], key, specs[i].numel), rt::kRegionAlignment);
         }
       }
     }
     int64_t last_group = -1;
-    for (const rt::BatchLayout& batch : plan.batches) {
+    for (const rt::BatchLayout& batch : layout.batches) {
       if (batch.resident) {  // one group per resident batch, in increasing order, before every rotating batch
         const int64_t group = specs[batch.rows.front().slot].resident_group;
-        expect(group > last_group && &batch - plan.batches.data() < static_cast<std::ptrdiff_t>(
-                                                                         plan.batches.size() - plan.rotating_batches),
+        const auto resident_batches = static_cast<std::ptrdiff_t>(layout.batches.size() - layout.rotating_batches);
+        expect(group > last_group && &batch - layout.batches.data() < resident_batches,
                where + ": resident batches by group, first");
         for (const rt::PieceRow& row : batch.rows) {
           expect(specs[row.slot].resident_group == group, where + ": a resident batch holds one group");
@@ -373,7 +373,7 @@ void check_plan() {
         covered[row.slot] += row.count;
         expect(row.advances_step == (covered[row.slot] == spec.numel), where + ": the last piece advances");
         for (int key = 0; key < key_count; ++key) {
-          const rt::StateHome& home = plan.slots[row.slot].home[key];
+          const rt::StateHome& home = layout.slots[row.slot].home[key];
           expect((row.arena_offset[key] == rt::kNoOffset) == (home.offset == rt::kNoOffset), where + ": kept states");
           if (home.offset == rt::kNoOffset) continue;
           const int64_t width = spec.states[key].unit_bytes;  // per element (whole states: checked whole below)
@@ -405,24 +405,25 @@ void check_plan() {
       // One copy for the whole params, and per piece of a cut param one per
       // run of alike states (at most one per key).
       int64_t pieces = 0;
-      for (const rt::PieceRow& row : batch.rows) pieces += plan.slots[row.slot].split ? 1 : 0;
+      for (const rt::PieceRow& row : batch.rows) pieces += layout.slots[row.slot].split ? 1 : 0;
       expect(static_cast<int64_t>(batch.host_copies.size()) <= 1 + pieces * key_count,
              where + ": a few copies per batch");
     }
     std::vector<bool> in_a_batch(specs.size(), false);
-    for (const rt::BatchLayout& batch : plan.batches) {
+    for (const rt::BatchLayout& batch : layout.batches) {
       for (const rt::PieceRow& row : batch.rows) in_a_batch[row.slot] = true;
     }
     for (size_t i = 0; i < specs.size(); ++i) {
       expect(covered[i] == specs[i].numel && in_a_batch[i], where + ": every element once, every param in a batch");
     }
-    expect(plan.step_table_bytes == rt::align_up(static_cast<int64_t>(specs.size()) * step_bytes,
+    expect(layout.step_table_bytes == rt::align_up(static_cast<int64_t>(specs.size()) * step_bytes,
                                                  rt::kRegionAlignment),
            where + ": the step table has step_bytes per param");
     if (!all_splittable) continue;  // a whole slot larger than a share makes its batch larger
     const int64_t bound = (total + swap_times - 1) / swap_times + 2 * rt::kMinPieceBytes + 8192;
-    expect(plan.staging_arena_bytes <= bound, where + ": largest arena " + std::to_string(plan.staging_arena_bytes) +
-                                                  " within the bound " + std::to_string(bound));
+    expect(layout.staging_arena_bytes <= bound, where + ": largest arena " +
+                                                    std::to_string(layout.staging_arena_bytes) + " within the bound " +
+                                                    std::to_string(bound));
   }
 }
 

@@ -73,7 +73,7 @@ def test_training_matches_wrapped_optimizer(case, swap_times, num_arenas, device
 def test_batches_are_contiguous_and_optimally_balanced(device, swap_times):
     model = build_model("transformer", device)
     optimizer = swap_optimizer("adamw", model.parameters(), swap_times=swap_times)
-    plan = optimizer._batch_plan()
+    plan = optimizer._batch_layout()
     numels = [p.numel() for p in model.parameters()]
     resident = [b for b in plan if b["resident"]]
     rotating = [b for b in plan if not b["resident"]]
@@ -176,7 +176,7 @@ def test_strided_params_stay_resident_and_views_are_swapped(device):
     plain_params = [strided.detach().clone().requires_grad_(), view.detach().clone().requires_grad_()]
     ours = swap_optimizer("adamw", [strided, view], swap_times=2)
     plain = plain_optimizer("adamw", plain_params)
-    plan = ours._batch_plan()
+    plan = ours._batch_layout()
     assert [b["params"] for b in plan if b["resident"]] == [[0]]
     assert [b["params"] for b in plan if not b["resident"]] == [[1]]
     for step in range(5):

@@ -272,7 +272,7 @@ def test_cut_params_keep_their_pieces_in_order():
         assert optimizer.memory_stats()["split_params"] >= 1
         if overlap:
             optimizer._set_test_hooks(copy_delay_us=300, seed=2)
-            plan = optimizer._batch_plan()
+            plan = optimizer._batch_layout()
             embed = [i for i, p in enumerate(model.parameters()) if p is model.embed.weight][0]
             pieces = [piece for batch in plan for piece in batch["pieces"] if piece[0] == embed]
             assert len(pieces) > 1 and [offset for _, offset, _ in pieces] == sorted(offset for _, offset, _ in pieces)
@@ -293,7 +293,7 @@ def test_the_plan_follows_the_reads():
     plan = optimizer._overlap.schedule
     assert plan.sequence[0] is model and plan.sequence[1] is model.embed
     index = {id(p): i for i, p in enumerate(model.parameters())}
-    batches = optimizer._batch_plan()  # pipeline order
+    batches = optimizer._batch_layout()  # pipeline order
     last = {i: max(b for b, batch in enumerate(batches) if i in batch["params"]) for i in index.values()}
     embed = index[id(model.embed.weight)]
     assert embed in batches[0]["params"]
@@ -357,7 +357,7 @@ def test_fault_at_every_batch_of_a_deferred_step_loses_nothing(fault, device):
     model = build(device)
     optimizer = make_optimizer(model, True, device)
     train(model, optimizer, 2, device, "plain")
-    plan = optimizer._batch_plan()
+    plan = optimizer._batch_layout()
     params = list(model.parameters())
     for fault_batch in range(len(plan)):
         before = fault_snapshot(model, optimizer)
@@ -407,7 +407,7 @@ def test_interrupt_at_every_batch_lets_the_deferred_step_complete():
     plain = make_optimizer(plain_model, False, device)
     train(model, optimizer, 1, device, "plain")  # the probe: the steps after it are deferred
     train(plain_model, plain, 1, device, "plain")
-    plan = optimizer._batch_plan()
+    plan = optimizer._batch_layout()
     for fault_batch in range(1, len(plan)):
         optimizer._set_test_hooks(fault="interrupt", fault_batch=fault_batch)
         with pytest.raises(KeyboardInterrupt):
@@ -617,7 +617,7 @@ def test_a_fault_inside_a_cut_param_of_a_deferred_step_tears_it_and_says_so():
                                  min_numel=0, model=model, overlap_forward=True)
     train(model, optimizer, 1, device, "plain")
     embed = [i for i, p in enumerate(model.parameters()) if p is model.embed.weight][0]
-    plan = optimizer._batch_plan()
+    plan = optimizer._batch_layout()
     holding = [b for b, batch in enumerate(plan) if embed in batch["params"]]
     assert len(holding) > 1
     for fault_batch in range(len(plan)):

@@ -74,7 +74,7 @@ def make_optimizer(model, overlap, watch_ops=False, **fields):
 def last_positions(optimizer):
     """Param index -> the pipeline position of the last batch holding it."""
     last = {}
-    for position, batch in enumerate(optimizer._batch_plan()):
+    for position, batch in enumerate(optimizer._batch_layout()):
         for index in batch["params"]:
             last[index] = position
     return last
@@ -107,7 +107,7 @@ def test_a_wait_lets_go_of_the_grads_whose_last_batch_it_covers():
     # The head's weight is cut across batches, the first of which follows
     # others: waiting for it releases those, not the head's grad, which its
     # later pieces still read.
-    pieces = [position for position, batch in enumerate(optimizer._batch_plan()) if head in batch["params"]]
+    pieces = [position for position, batch in enumerate(optimizer._batch_layout()) if head in batch["params"]]
     assert len(pieces) >= 2 and pieces[0] > 0
     middle = pieces[0]
     runtime.wait_ready(middle)
@@ -155,7 +155,7 @@ def test_releasing_grads_while_the_update_thread_runs_changes_no_bit():
         model = build()
         optimizer = make_optimizer(model, overlap, watch_ops=True)
         optimizer._set_test_hooks(copy_delay_us=200, compute_delay_us=400, seed=3)
-        positions = len(optimizer._batch_plan())
+        positions = len(optimizer._batch_layout())
         for step in range(4):
             optimizer.zero_grad(set_to_none=True)
             loss_of(model, step).backward()
@@ -182,7 +182,7 @@ def test_releasing_grads_while_the_update_thread_runs_changes_no_bit():
 def test_a_failed_deferred_step_holds_nothing_once_raised():
     model = build()
     optimizer = make_optimizer(model, overlap=True)
-    positions = len(optimizer._batch_plan())
+    positions = len(optimizer._batch_layout())
     optimizer._set_test_hooks(fault="update", fault_batch=positions // 2)
     loss_of(model, 0).backward()
     optimizer.step()

@@ -187,7 +187,7 @@ def make_optimizer(model, overlap, delay_us=300, own_batches=False):
     # protocol (tests/overlap/test_overlap_rules.py, and overlapped_pair below).
     optimizer = so.SwapOptimizer(inner, swap_times=swap_times, num_arenas=3, min_numel=0, **extra, **PACKED_KERNEL)
     if own_batches:
-        assert all(len(batch["params"]) == 1 for batch in optimizer._batch_plan())
+        assert all(len(batch["params"]) == 1 for batch in optimizer._batch_layout())
     if overlap:
         # The updates lag; with a batch per param, each update lags on its own.
         optimizer._set_test_hooks(copy_delay_us=delay_us, compute_delay_us=2000 if own_batches else 300, seed=5)
@@ -855,6 +855,40 @@ def test_a_signal_while_step_returns_waits_for_the_step_just_enqueued(landing):
     assert len(saved) == 2
     for name in saved[0]:
         assert torch.equal(saved[0][name], saved[1][name]), name
+
+
+def test_signal_handlers_are_wrapped_once_however_many_steps_run():
+    """Each overlapped step holds signals while it updates, and wraps their
+    handlers so that they wait for the pending step: the wrapper goes around
+    the user's handler once, not once more a step (a thousand steps nested a
+    thousand wrappers, and Ctrl-C raised RecursionError), and dropping the
+    optimizer gives the user's handler back."""
+    import gc
+    import signal
+
+    def depth(handler):
+        layers = 0
+        while hasattr(handler, "handler"):
+            handler, layers = handler.handler, layers + 1
+        return layers, handler
+
+    def users_handler(signum, frame):
+        return None
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        signal.signal(signal.SIGUSR1, users_handler)
+        model, optimizer = overlapped_pair(delay_us=0)[1]
+        for step in range(6):
+            train_step(model, optimizer, step)
+            # (the first step is the probe's, run whole: nothing is pending after it, nothing wrapped)
+            assert depth(signal.getsignal(signal.SIGUSR1)) == (int(step > 0), users_handler), f"step {step}"
+        optimizer.wait()
+        del optimizer
+        gc.collect()
+        assert signal.getsignal(signal.SIGUSR1) is users_handler
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_a_signal_inside_another_handlers_wait_waits_too():

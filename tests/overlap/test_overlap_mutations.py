@@ -228,7 +228,7 @@ def make_optimizer(model, overlap, rules=()):
     inner = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     extra = dict(model=model, overlap_forward=True) if overlap else {}
     optimizer = so.SwapOptimizer(inner, swap_times=len(params), num_arenas=2, min_numel=0, **extra)
-    plan = optimizer._batch_plan()
+    plan = optimizer._batch_layout()
     assert sorted(p for batch in plan for p in batch["params"]) == list(range(len(params)))
     assert all(len(batch["params"]) == 1 for batch in plan), "a param shares a batch: one wait would cover another"
     if overlap:

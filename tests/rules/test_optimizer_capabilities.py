@@ -300,7 +300,7 @@ def test_a_fault_at_any_batch_loses_nothing_and_a_retry_matches(case, variant, f
         give_grads(step, reference_params)
         reference.step()
         snapshots.append(snapshot(reference_params, reference))
-    batches = len(reference._batch_plan())  # (a vouched-for optimizer's is learned at its first step)
+    batches = len(reference._batch_layout())  # (a vouched-for optimizer's is learned at its first step)
     assert batches >= 2
     for fault_batch in range(batches):
         params = fresh()

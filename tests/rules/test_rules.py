@@ -15,28 +15,23 @@ from torch import nn
 
 import swap_optimizer as so
 from conftest import DEVICES, TESTS, requires_cuda
+from optimizer_cases import BY_NAME
+from optimizer_cases import CASES as OPTIMIZER_CASES
 from pairs import assert_same_state, bits, give_grads, run_pair, same_bits
 
-# (class name, hyper-parameters): each keeps per-param state, and each runs
-# for-loop and foreach (and fused where torch has it) below.
-CASES = [
-    ("Adam", dict(lr=0.01, amsgrad=True, maximize=True, weight_decay=0.01)),
-    ("AdamW", dict(lr=0.01, weight_decay=0.1)),
-    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
-    ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True, maximize=True)),
-    ("Adagrad", dict(lr=0.1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1)),
-    ("RMSprop", dict(lr=0.01, momentum=0.5, centered=True, weight_decay=0.01)),
-    ("Adadelta", dict(weight_decay=0.01)),
-    ("Adamax", dict(weight_decay=0.01)),
-    ("NAdam", dict(decoupled_weight_decay=True, weight_decay=0.01)),
-    ("RAdam", dict(weight_decay=0.01)),
-    ("ASGD", dict(t0=3, weight_decay=0.01)),
-    ("Rprop", dict()),
-    ("Adafactor", dict(lr=0.01)),
-    ("Muon", dict(lr=0.01)),
-]
-FUSED = {"Adam", "AdamW", "SGD", "Adagrad"}  # torch has fused kernels for these
-WHOLE = {"Adafactor", "Muon"}  # never cut
+# The case table's optimizers with a declaration (torch's own update), and
+# per name its first variant's hyper-parameters, the ones a test of one
+# optimizer runs; each keeps per-param state.
+TORCH_CASES = [case for case in OPTIMIZER_CASES if not case.vouched_for]
+FUSED = {case.name for case in TORCH_CASES if case.fused}  # torch has fused kernels for these
+WHOLE = {case.name for case in TORCH_CASES if not case.split}  # never cut
+
+
+def first_variant(name):
+    """A copy of the hyper-parameters of `name`'s first variant in the case table."""
+    return dict(next(iter(BY_NAME[name].variants.values())))
+
+
 SHAPES = [(256, 700), (70000,), (64, 300), (5,)]  # the first two are large enough to be cut into pieces
 STEPS = 20
 
@@ -48,10 +43,16 @@ def make_params(name, dtype=torch.float32, device="cpu"):
 
 
 def implementations(name):
-    if name == "Muon":
-        return [dict()]  # no foreach
-    kinds = [dict(foreach=False), dict(foreach=True)]
-    return kinds + ([dict(fused=True)] if name in FUSED else [])
+    """The implementation flags of every path torch has for `name` (none where the class takes none: Muon)."""
+    case = BY_NAME[name]
+    if not case.flags:
+        return [dict()]
+    flags = [dict(foreach=False)]
+    if case.foreach:
+        flags.append(dict(foreach=True))
+    if case.fused:
+        flags.append(dict(fused=True))
+    return flags
 
 
 def torch_optimizer(name, kwargs):
@@ -65,16 +66,19 @@ def run_rule_pair(name, kwargs, steps=STEPS, dtype=torch.float32, device="cpu", 
 
 
 def bitwise_rows():
-    """(name, kwargs, device) per case and device, ids "<name>-<case>-<device>".
-    Adam/AdamW on the CPU go to the slow tier: in the default one the
-    capability table (test_optimizer_capabilities.py) runs their parity for
-    every implementation and dtype, split, overlap, budget and faults."""
+    """(name, kwargs, device) per variant of each case and device, ids
+    "<name>-<variant>-<device>". On the CPU a case's later variants, and
+    Adam/AdamW, go to the slow tier: in the default one the capability table
+    (test_optimizer_capabilities.py) runs every variant's parity for every
+    implementation and dtype, split, overlap, budget and faults."""
     rows = []
-    for i, (name, kwargs) in enumerate(CASES):
-        for device in DEVICES:
-            (value,) = device.values
-            slow = [pytest.mark.slow] if name in ("Adam", "AdamW") and value == "cpu" else []
-            rows.append(pytest.param(name, kwargs, value, id=f"{name}-{i}-{device.id}", marks=[*device.marks, *slow]))
+    for case in TORCH_CASES:
+        for number, (variant, kwargs) in enumerate(case.variants.items()):
+            for device in DEVICES:
+                (value,) = device.values
+                slow = value == "cpu" and (number > 0 or case.name in ("Adam", "AdamW"))
+                rows.append(pytest.param(case.name, kwargs, value, id=f"{case.name}-{variant}-{device.id}",
+                                         marks=[*device.marks] + ([pytest.mark.slow] if slow else [])))
     return rows
 
 
@@ -98,7 +102,7 @@ def test_bitwise_equal_to_the_plain_optimizer(name, kwargs, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["SGD", "Adagrad", "RMSprop", "NAdam", "ASGD", "Adafactor"])
 def test_16_bit_params(name, device):
-    kwargs = dict(next(k for n, k in CASES if n == name))
+    kwargs = first_variant(name)
     for dtype in (torch.bfloat16, torch.float16):
         swapped = run_rule_pair(name, kwargs, steps=8, dtype=dtype, swap_times=4, device=device).swapped
         if device == "cpu":
@@ -226,7 +230,7 @@ def test_param_groups_scheduler_and_closure():
 
 @pytest.mark.parametrize("name", ["SGD", "Adagrad", "RAdam"])
 def test_add_param_group_mid_run(name):
-    kwargs = dict(next(k for n, k in CASES if n == name))
+    kwargs = first_variant(name)
     cls = getattr(torch.optim, name)
     a, b = make_params(name), make_params(name)
     plain = cls(a[:2], **kwargs)
@@ -272,7 +276,7 @@ def test_fused_takes_the_scale_and_inf_flag_in_step(name, device):
     flag (unscale_in_step follows fused, as for the plain optimizer), and
     torch's fused kernel unscales and skips on the device, batch by batch:
     bitwise the plain optimizer, an overflow step included."""
-    kwargs = dict(next(k for n, k in CASES if n == name), fused=True)
+    kwargs = dict(first_variant(name), fused=True)
     cls = getattr(torch.optim, name)
     a, b = make_params(name, device=device), make_params(name, device=device)
     plain = cls(a, **kwargs)
@@ -312,7 +316,7 @@ def test_memory_stats_estimate_torchs_temporaries():
         swapped = so.SwapOptimizer(getattr(torch.optim, name)(make_params(name), lr=0.01, **kwargs), swap_times=4,
                                    min_numel=0)
         stats = swapped.memory_stats()
-        rows = [[count * 4 for _, _, count in batch["pieces"]] for batch in swapped._batch_plan()]
+        rows = [[count * 4 for _, _, count in batch["pieces"]] for batch in swapped._batch_layout()]
         return stats["update_temporary_bytes"], rows
 
     foreach, rows = temporaries("SGD", momentum=0.9, foreach=True)
@@ -335,20 +339,20 @@ def test_adafactor_temporaries_count_every_param_of_a_foreach_call(foreach):
     swapped = so.SwapOptimizer(torch.optim.Adafactor(params, lr=0.01, foreach=foreach), swap_times=1, min_numel=0)
     new_states = {id(p): 4 * (p.shape[0] + p.shape[1] if p.dim() == 2 else p.numel()) for p in params}
     expected = 0
-    for batch in swapped._batch_plan():
+    for batch in swapped._batch_layout():
         sizes = [params[index].numel() * 4 for index, _, _ in batch["pieces"]]
         if sizes:
             made = 3 * (sum(sizes) if foreach else max(sizes))
             expected = max(expected, made + sum(new_states[id(params[index])] for index, _, _ in batch["pieces"]))
     assert swapped.memory_stats()["update_temporary_bytes"] == expected
-    assert len(swapped._batch_plan()) < len(params), "a call must hold several params for foreach to count"
+    assert len(swapped._batch_layout()) < len(params), "a call must hold several params for foreach to count"
 
 
 @pytest.mark.parametrize("name, largest", [("SGD", 0), ("Muon", 256 * 700 * 4), ("Adafactor", 70000 * 4)])
 def test_memory_stats_name_the_largest_param_that_moves_whole(name, largest):
     """Muon's and Adafactor's params are never cut: memory_stats says how much
     state the largest of them stages, and the arenas hold at least that."""
-    kwargs = dict(next(k for n, k in CASES if n == name))
+    kwargs = first_variant(name)
     params = make_params(name)
     swapped = so.SwapOptimizer(getattr(torch.optim, name)(params, **kwargs), swap_times=16, min_numel=0)
     give_grads(0, params)
@@ -387,7 +391,7 @@ def test_device_peak_stays_within_staging_and_the_temporaries_estimate_on_cuda(n
 def test_state_dict_round_trips_with_the_plain_optimizer():
     """Save from SwapOptimizer, load into the plain optimizer and go on; and
     back: both resumes are bitwise the uninterrupted plain run."""
-    for name, kwargs in [("NAdam", CASES[8][1]), ("ASGD", CASES[10][1]), ("Adafactor", CASES[12][1])]:
+    for name, kwargs in [(name, first_variant(name)) for name in ("NAdam", "ASGD", "Adafactor")]:
         cls = getattr(torch.optim, name)
         a, b, c = make_params(name), make_params(name), make_params(name)
         reference = cls(a, **kwargs)
@@ -506,7 +510,7 @@ def test_a_staging_budget_picks_swap_times_counting_torchs_temporaries(name):
     estimate of torch's temporaries fit; bitwise the plain optimizer; a budget
     below the least that works is refused, naming it (and, for Muon, that its
     params move whole)."""
-    kwargs = dict(next(k for n, k in CASES if n == name))
+    kwargs = first_variant(name)
     cls = getattr(torch.optim, name)
     params = make_params(name)
     fine = so.SwapOptimizer(cls(params, **kwargs), swap_times=8, min_numel=0)
@@ -554,7 +558,7 @@ def test_float64_and_complex_params_are_refused(dtype, message):
 def test_state_keys_keep_the_others_on_the_device():
     """state_keys names the wrapped optimizer's states: the ones not named stay
     resident, and the results do not change."""
-    swapped = run_rule_pair("RMSprop", CASES[5][1], steps=5, swap_times=4, state_keys=("square_avg",)).swapped
+    swapped = run_rule_pair("RMSprop", first_variant("RMSprop"), steps=5, swap_times=4, state_keys=("square_avg",)).swapped
     assert swapped.memory_stats()["swapped_state_keys"] == ["square_avg"]
     assert swapped.memory_stats()["resident_state_bytes"] > 0
 
@@ -670,12 +674,12 @@ def test_an_interrupt_lets_the_step_finish_then_raises(name):
     KeyboardInterrupt follows it. Every param and its states, scalars
     included, are then new, bitwise the plain optimizer's, and stepping goes
     on."""
-    kwargs = dict(next(k for n, k in CASES if n == name))
+    kwargs = first_variant(name)
     cls = getattr(torch.optim, name)
     a, b = make_params(name), make_params(name)
     plain = cls(a, **kwargs)
     swapped = so.SwapOptimizer(cls(b, **kwargs), swap_times=4, min_numel=0)
-    batches = len(swapped._batch_plan())
+    batches = len(swapped._batch_layout())
     assert batches >= 3
     for step, fault_batch in enumerate(range(1, batches)):  # taken between batches
         give_grads(step, a, b)
@@ -704,9 +708,9 @@ def test_a_fault_at_any_batch_loses_nothing(name, fault):
     the step or wholly after it; a torn one makes step() refuse until a state
     dict is loaded, and training from that state then matches the plain
     optimizer's."""
-    kwargs = dict(next(k for n, k in CASES if n == name))
+    kwargs = first_variant(name)
     cls = getattr(torch.optim, name)
-    batches = len(so.SwapOptimizer(cls(make_params(name), **kwargs), swap_times=4, min_numel=0)._batch_plan())
+    batches = len(so.SwapOptimizer(cls(make_params(name), **kwargs), swap_times=4, min_numel=0)._batch_layout())
     assert batches >= 3
     tears = 0
     for fault_batch in range(batches):
@@ -755,7 +759,7 @@ def test_writes_through_data_between_steps(name):
     """A param's values written through .data (in place, or a new tensor put
     in its place, as weight-averaging and checkpoint-loading code does)
     between steps: the next steps use them, bitwise like the plain optimizer."""
-    kwargs = dict(next(k for n, k in CASES if n == name))
+    kwargs = first_variant(name)
     cls = getattr(torch.optim, name)
     a, b = make_params(name), make_params(name)
     plain = cls(a, **kwargs)

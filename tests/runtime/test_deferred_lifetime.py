@@ -94,7 +94,8 @@ def test_a_dropped_optimizer_whose_last_step_fails_warns(name):
             optimizer._set_test_hooks(compute_delay_us=2000, seed=7, fault="update", fault_batch=2)
         optimizer.step()
     assert optimizer._overlap.pending
-    with pytest.warns(RuntimeWarning, match=r"dropped \(or the interpreter exited\) while its last step was still running, and that step failed"):
+    with pytest.warns(RuntimeWarning, match=r"dropped \(or the interpreter exited\) while its last step was still "
+                                            r"running, and that step failed"):
         del optimizer
         gc.collect()
 
@@ -205,11 +206,11 @@ def check_landed():
     with torch._C.DisableTorchFunction():  # reads what memory holds now: no watch waits for the step here
         got = [p.detach().clone() for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(expected, got)), "params differ"
-    assert not overlap._Watch.overlaps or sys.argv[2] == "exit", "the orphaned pass did not unregister"
+    assert not overlap._Watch.overlaps or sys.argv[2].startswith("exit"), "the orphaned pass did not unregister"
     print("ok", flush=True)
 
 exiting = threading.Event()
-if sys.argv[2] == "exit":
+if sys.argv[2].startswith("exit"):
     atexit.register(check_landed)  # registered before swap_optimizer's own exit hook: runs after it
 
 sys.path.insert(0, sys.argv[1])
@@ -245,7 +246,7 @@ def collect_once_on_the_update_thread(self, *args):
         assert dropped.wait(timeout=60), "the main thread did not drop the optimizer"
         collected.append(gc.collect())  # the optimizer and its finalizer go here, on the update thread
         collected_event.set()
-        if sys.argv[2] == "exit":  # the rest of the step runs while the interpreter exits
+        if sys.argv[2].startswith("exit"):  # the rest of the step runs while the interpreter exits
             assert exiting.wait(timeout=60), "the main thread did not exit"
             time.sleep(0.2)
     return update(self, *args)
@@ -263,7 +264,14 @@ dropped.set()
 assert collected_event.wait(timeout=60), "nothing was collected on the update thread"
 assert collected[0] > 0, "nothing was collected on the update thread"
 
-if sys.argv[2] == "exit":  # the interpreter exits with the step still running: it lands first, cleanly
+if sys.argv[2].startswith("exit"):  # the interpreter exits with the step still running: it lands first, cleanly
+    if sys.argv[2] == "exit-interrupted":  # a Ctrl-C while the exit waits for the step skips no wait
+        import os, signal
+
+        def interrupt_soon():  # torch's plain Ctrl-C handler (the wrapped one would wait for the step itself)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+        atexit.register(interrupt_soon)
     atexit.register(exiting.set)  # the first exit hook to run
     sys.exit(0)
 if sys.argv[2] == "next-forward":
@@ -279,7 +287,7 @@ check_landed()
 """
 
 
-@pytest.mark.parametrize("then", ["next-forward", "no-forward", "exit"])
+@pytest.mark.parametrize("then", ["next-forward", "no-forward", "exit", "exit-interrupted"])
 def test_an_optimizer_collected_on_its_update_thread_still_lands_its_step(then):
     """A garbage collection inside a deferred step's update (host backend: the
     update thread runs torch's update in Python) may collect that optimizer:
@@ -296,6 +304,8 @@ def test_an_optimizer_collected_on_its_update_thread_still_lands_its_step(then):
     result = subprocess.run([sys.executable, "-P", "-c", COLLECTED_ON_THE_UPDATE_THREAD, TESTS, then],
                             capture_output=True, text=True, timeout=300, cwd=TESTS)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
+    if then == "exit-interrupted":  # raised once every wait was done
+        assert "KeyboardInterrupt" in result.stderr, result.stderr
 
 
 EXIT_WITH_A_STEP_PENDING = r"""

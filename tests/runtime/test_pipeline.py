@@ -59,7 +59,7 @@ def test_fault_at_each_batch_loses_nothing(fault, num_arenas, device):
     # update holds it until the step is done, tests/rules/test_rules.py)
     optimizer = swap_optimizer("adamw", model.parameters(), swap_times=3, num_arenas=num_arenas, min_numel=100,
                                **PACKED_KERNEL)
-    plan = optimizer._batch_plan()
+    plan = optimizer._batch_layout()
     assert plan[0]["resident"] and len(plan) == 4
     train("mlp", model, optimizer, 3, device)
     params = list(model.parameters())
@@ -104,7 +104,7 @@ def test_memory_follows_the_formula_and_stays_flat(num_arenas, device):
     model = build_model("transformer", device)
     # (the packed kernel's layout: its step table, no update temporaries)
     optimizer = swap_optimizer("adamw", model.parameters(), swap_times=4, num_arenas=num_arenas, **PACKED_KERNEL)
-    plan = optimizer._batch_plan()
+    plan = optimizer._batch_layout()
     rotating = [b for b in plan if not b["resident"]]
     largest = max(b["arena_bytes"] for b in rotating)
     params = list(model.parameters())
@@ -147,7 +147,7 @@ def test_staging_budget_picks_the_smallest_swap_times_that_fits(device):
     for swap_times in range(1, 7):
         probe = swap_optimizer("adamw", model.parameters(), swap_times=swap_times, **PACKED_KERNEL)
         stats = probe.memory_stats()
-        arenas = [b["arena_bytes"] for b in probe._batch_plan() if not b["resident"]]
+        arenas = [b["arena_bytes"] for b in probe._batch_layout() if not b["resident"]]
         sizes[swap_times] = min(2, stats["batches"]) * max(arenas) + stats["step_table_bytes"]
     budget = sizes[4]
     fitted = swap_optimizer("adamw", model.parameters(), staging_budget_bytes=budget, **PACKED_KERNEL)

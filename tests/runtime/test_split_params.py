@@ -117,7 +117,7 @@ def run(device, swap_times, num_arenas, **fields):
     model = build(device)
     optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=swap_times, num_arenas=num_arenas, **fields)
     train(model, optimizer, STEPS, device)
-    return snapshot(optimizer, model), optimizer.memory_stats(), optimizer._batch_plan()
+    return snapshot(optimizer, model), optimizer.memory_stats(), optimizer._batch_layout()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -325,7 +325,7 @@ def test_fault_inside_and_outside_a_split_param_keeps_every_element_consistent(f
     model = build(device)
     optimizer = so.SwapOptimizer(adamw(two_groups(model)), swap_times=6, num_arenas=num_arenas, **PACKED_KERNEL,
                                  **FAULT_SETUPS[setup])
-    plan = optimizer._batch_plan()
+    plan = optimizer._batch_layout()
     assert plan[0]["resident"]
     numels = [p.numel() for p in model.parameters()]
     embed = 2  # the split param's index (pre.weight, pre.bias, embed.weight, ...)
@@ -404,7 +404,7 @@ def test_fault_in_a_step_grad_scaler_skips_tears_nothing(device):
     model = build(device)
     optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=6, **PACKED_KERNEL)
     train(model, optimizer, 2, device)
-    middle_of_embedding = [b for b, batch in enumerate(optimizer._batch_plan()) if 2 in batch["params"]][2]
+    middle_of_embedding = [b for b, batch in enumerate(optimizer._batch_layout()) if 2 in batch["params"]][2]
     before = snapshot(optimizer, model)
     loss_of(model, 7, device).backward()
     optimizer.grad_scale = torch.ones(1, device=device)
@@ -459,7 +459,7 @@ def test_empty_params_beside_split_params(device):
 def test_interrupt_at_every_batch_leaves_whole_params(num_arenas):
     model = build("cpu")
     optimizer = so.SwapOptimizer(adamw(model.parameters()), swap_times=6, num_arenas=num_arenas, **PACKED_KERNEL)
-    plan = optimizer._batch_plan()
+    plan = optimizer._batch_layout()
     train(model, optimizer, 2, "cpu")
     for fault_batch in range(1, len(plan)):
         before = snapshot(optimizer, model)
