@@ -1,5 +1,6 @@
 import gc
 import os
+import signal
 import sys
 
 import pytest
@@ -19,6 +20,14 @@ SUBSYSTEMS = ("kernels", "runtime", "budget", "rules", "optimizer", "overlap", "
 sys.path[:0] = [TESTS] + [os.path.join(TESTS, folder) for folder in SUBSYSTEMS]
 
 import swap_optimizer  # noqa: E402
+
+# A process started in the background (nohup, `cmd &` in a script) inherits
+# SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the
+# tests that deliver a Ctrl-C (signal.raise_signal, the runtime's injected
+# interrupt) need Python's own, whatever launched the suite. (Its children,
+# the subprocess tests, then start with SIGINT at its default again.)
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _cuda_skip_reason():
