@@ -52,6 +52,16 @@ def _fingerprint(value) -> tuple:
     return ("object", id(value))
 
 
+# An optimizer's hook registries (register_step_pre_hook and the like): other
+# code adds and removes hooks on other threads while a deferred step runs
+# (SwapOptimizer itself takes its guard off when it is dropped), and no step
+# keeps its state there, so the strict check of a step leaves them out.
+_HOOK_REGISTRIES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                    "_optimizer_load_state_dict_post_hooks")
+_NOT_CHECKED = ("param_groups", "state", *_HOOK_REGISTRIES)
+
+
 def foreign_state_keys(state: dict, param_ids: set) -> list[str]:
     """The keys of an optimizer's `state` that are not among its params."""
     return sorted(f"a tensor of shape {tuple(key.shape)}" if torch.is_tensor(key) else repr(key)
@@ -72,7 +82,8 @@ def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state
     naming it."""
     stand_in = object.__new__(type(optimizer))
     stand_in.__dict__.update(optimizer.__dict__, param_groups=groups, state=state, **(grad_scale or {}))
-    before = {key: _fingerprint(value) for key, value in optimizer.__dict__.items()} if strict else None
+    before = {key: _fingerprint(value) for key, value in optimizer.__dict__.items()
+              if key not in _NOT_CHECKED} if strict else None
     try:
         _torch_step(optimizer)(stand_in)
     except Exception as error:
@@ -88,7 +99,7 @@ def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state
             "trust_per_param_step says: keep its state on the device") from error
     if strict:
         changed = sorted(key for key, value in optimizer.__dict__.items()
-                         if key not in ("param_groups", "state") and _fingerprint(value) != before[key])
+                         if key not in _NOT_CHECKED and _fingerprint(value) != before.get(key))
         if changed:
             raise RuntimeError(f"SwapOptimizer: {type(optimizer).__name__}'s step changed the optimizer's "
                                f"attribute(s) {changed} in place, outside its params' states and param groups; "
@@ -102,7 +113,7 @@ def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state
                                "that are not params (a step counter shared by all params, say); SwapOptimizer runs "
                                "the step batch by batch and cannot keep such a value. This optimizer cannot be "
                                "wrapped; keep its state on the device")
-        written = sorted(key for key, value in stand_in.__dict__.items() if key not in ("param_groups", "state")
+        written = sorted(key for key, value in stand_in.__dict__.items() if key not in _NOT_CHECKED
                          and (key not in optimizer.__dict__ or optimizer.__dict__[key] is not value))
         if written:
             raise RuntimeError(f"SwapOptimizer: {type(optimizer).__name__}'s step wrote the optimizer's attribute(s) "

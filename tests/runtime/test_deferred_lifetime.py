@@ -7,6 +7,7 @@ its optimizer is gone says so; and the values it reads are those at step()
 tensors)."""
 
 import gc
+import time
 import weakref
 
 import pytest
@@ -60,6 +61,35 @@ def test_a_dropped_optimizer_still_lands_its_last_step(name, device):
     got = params_of(model)  # no hook is left to wait here
     for index, (a, b) in enumerate(zip(expected, got)):
         assert torch.equal(a, b), f"{name}: param {index} differs ({(a != b).sum().item()} elements)"
+
+
+@pytest.mark.parametrize("name", ["Lion", "NAdam"])
+def test_hooks_added_and_removed_while_a_deferred_step_runs_do_not_fail_it(name):
+    """A vouched-for step checks that it changed no attribute of the optimizer
+    outside its states and groups; hooks registered or removed meanwhile on
+    another thread (SwapOptimizer takes its own guard off the wrapped
+    optimizer when it is dropped, the step still running) are not the step's
+    doing: the step lands, bitwise the run without overlap."""
+    device = torch.device("cpu")
+    expected = params_of(train(device, name, overlap=False, steps=STEPS + 1))
+    model = build(device)
+    trust = dict(trust_per_param_step=True) if name == "Lion" else {}
+    inner = FAMILIES[name](model.parameters())
+    optimizer = so.SwapOptimizer(inner, swap_times=6, num_arenas=3, min_numel=0, model=model, overlap_forward=True,
+                                 **trust)
+    optimizer._set_test_hooks(copy_delay_us=2000, compute_delay_us=2000, seed=7)
+    for step in range(STEPS + 1):
+        optimizer.zero_grad()
+        loss_of(model, tokens_for(step, device)).backward()
+        optimizer.step()
+        deadline = time.monotonic() + 0.03  # while the deferred step's batches run on the update thread
+        while time.monotonic() < deadline:
+            inner.register_step_pre_hook(lambda *args: None).remove()
+            inner.register_load_state_dict_post_hook(lambda *args: None).remove()
+        optimizer.wait()
+    assert optimizer._overlap._last_step_deferred
+    for index, (a, b) in enumerate(zip(expected, params_of(model))):
+        assert torch.equal(a, b), f"{name}: param {index} differs"
 
 
 @pytest.mark.parametrize("device", DEVICES)
