@@ -37,6 +37,9 @@ STATE_CODE_FORMS = {
     "accumulator": ("unsigned", "nonzero"),  # Adagrad's sum: a denominator too
     "running_max": ("unsigned", "up"),
 }
+# Every kind of compact element state (rules/declarations.py says what each
+# is); the two beyond STATE_CODE_FORMS are kept in bf16 under 8-bit too.
+STATE_KINDS = (*STATE_CODE_FORMS, "decaying_max", "raw_denominator")
 
 _decode_8bit = torch.ops.swap_optimizer.decode_blockwise_8bit
 _encode_8bit = torch.ops.swap_optimizer.encode_blockwise_8bit

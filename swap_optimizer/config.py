@@ -9,6 +9,7 @@ import torch
 
 from . import _C
 from .budget import StepCostModel
+from .codec import STATE_KINDS
 
 # Per key of the runtime's Adam/AdamW state, the state key whose placement it
 # follows (each moment's absmax scales follow the moment), from the
@@ -103,6 +104,14 @@ class SwapOptimizerConfig:
         that each element's update reads only that element of the param, its
         grad and its param-shaped states (no per-param norm, as in LAMB).
         Needs trust_per_param_step=True.
+    trusted_state_kinds: for such an optimizer under state_dtype=torch.bfloat16
+        or torch.uint8 (and trust_elementwise_step=True), each param-shaped
+        state's name -> its kind, which picks its 8-bit map and rounding:
+        "signed" (a momentum), "denominator" (under a square root or in a
+        divisor), "running_max", "decaying_max", "raw_denominator",
+        "accumulator" (docs/usage.md, 'Compact states'), or None to keep
+        that state exact. A learned state it does not name is refused at its
+        first update, which changes nothing.
     """
 
     swap_times: Optional[int] = None
@@ -120,6 +129,7 @@ class SwapOptimizerConfig:
     overlap_forward: bool = False
     trust_per_param_step: bool = False
     trust_elementwise_step: bool = False
+    trusted_state_kinds: Optional[dict[str, Optional[str]]] = None
     device_budget_bytes: Optional[Union[int, str]] = None
     cost_model: Optional[StepCostModel] = None
     auto_warmup_steps: int = 3
@@ -137,6 +147,8 @@ class SwapOptimizerConfig:
         if self.trust_elementwise_step and not self.trust_per_param_step:
             raise ValueError("SwapOptimizerConfig: trust_elementwise_step=True is a second promise on top of "
                              "trust_per_param_step=True; set both, or neither")
+        if self.trusted_state_kinds is not None:
+            self._check_trusted_state_kinds()
         if self.state_dtype not in _STATE_DTYPES:
             raise ValueError("SwapOptimizerConfig.state_dtype must be None (the param's dtype), torch.float32, "
                              f"torch.bfloat16 or torch.uint8 (8-bit blockwise), got {self.state_dtype!r}")
@@ -180,6 +192,18 @@ class SwapOptimizerConfig:
             if len(set(keys)) != len(keys):
                 raise ValueError(f"SwapOptimizerConfig.state_keys names a key twice: {keys}")
             object.__setattr__(self, "state_keys", keys)
+
+    def _check_trusted_state_kinds(self) -> None:
+        kinds = self.trusted_state_kinds
+        if not self.trust_per_param_step:
+            raise ValueError("SwapOptimizerConfig.trusted_state_kinds names the states of an optimizer wrapped on "
+                             "trust_per_param_step=True; set it too, or drop trusted_state_kinds (a declared "
+                             "optimizer's kinds are known)")
+        if not isinstance(kinds, dict) or not all(isinstance(name, str) and (kind is None or kind in STATE_KINDS)
+                                                  for name, kind in kinds.items()):
+            raise ValueError("SwapOptimizerConfig.trusted_state_kinds must be a dict of state name -> one of "
+                             f"{list(STATE_KINDS)} or None (kept exact), got {kinds!r}")
+        object.__setattr__(self, "trusted_state_kinds", dict(kinds))  # the caller's dict may change later
 
     @classmethod
     def from_fields(cls, config: Optional["SwapOptimizerConfig"], overrides: dict[str, Any]) -> "SwapOptimizerConfig":

@@ -69,11 +69,11 @@ class OptimizerCase:
     compact: state_dtype=torch.bfloat16 / torch.uint8: True, accepted and
         its states move fewer bytes; "exact", accepted with a warning that its
         states are not worth quantizing and stay exact (Rprop); False, refused
-        with the reason (not elementwise; vouched-for); or a dict of those per
+        with the reason (not elementwise); or a dict of those per
         mode ("bf16", "8bit": Adagrad's sum stays exact under bf16).
     kahan: kahan_summation=True accepted for 16-bit params (a compensation
         each; torch's update on a float32 stand-in, or Adam's packed kernel),
-        else refused with the reason (not elementwise; vouched-for).
+        else refused with the reason (not elementwise).
     split: a large param may be cut into pieces across batches (else it moves
         whole at any swap_times).
     overlap: overlap_forward=True accepted and bitwise the run without it.
@@ -83,6 +83,10 @@ class OptimizerCase:
     vouched_for: no declaration in swap_optimizer.rules; wrapped on the
         user's word (trust_per_param_step=True).
     only_2d: the optimizer updates 2-D params only (Muon).
+    sign_update: the update is the sign of a state (Lion): compact states
+        flip it where the state is near 0, a whole step for those few
+        elements, so compact parity bounds the mean difference, not the
+        largest.
     """
 
     name: str
@@ -102,6 +106,7 @@ class OptimizerCase:
     fsdp2: bool = True
     vouched_for: bool = False
     only_2d: bool = False
+    sign_update: bool = False
 
     def make(self, variant: str, implementation: str = "for-loop") -> Callable[[list], torch.optim.Optimizer]:
         """params -> a new optimizer of this case's variant and implementation."""
@@ -183,11 +188,13 @@ CASES = [
     OptimizerCase("Lion", Lion, {
         "default": dict(lr=1e-3),
         "wd-betas": dict(lr=1e-3, weight_decay=0.5, betas=(0.8, 0.9)),
-    }, settings=dict(trust_per_param_step=True, trust_elementwise_step=True), foreach=False, flags=False,
+    }, settings=dict(trust_per_param_step=True, trust_elementwise_step=True,
+                     trusted_state_kinds={"exp_avg": "signed"}), foreach=False, flags=False,
         # bf16: the first step's check of trust_elementwise_step finds Lion's
         # update of a bf16 param cut in two unlike the whole one on the CPU,
-        # and refuses (the declared optimizers never cut 16-bit params there).
-        dtypes=("fp32",), vouched_for=True, kahan=False),
+        # and refuses (the declared optimizers never cut 16-bit params there);
+        # with Kahan its update runs on a float32 stand-in, which cuts exactly.
+        dtypes=("fp32",), vouched_for=True, compact=True, sign_update=True),
 ]
 BY_NAME = {case.name: case for case in CASES}
 

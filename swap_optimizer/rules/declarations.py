@@ -19,6 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..codec import STATE_KINDS
+
 # Kinds of state:
 #  "element": param-shaped, in the param's dtype; cut with the param.
 #  "whole": another shape (Adafactor's row and column variances); its param is never cut.
@@ -33,8 +35,7 @@ ELEMENT, WHOLE, SCALAR = "element", "whole", "scalar"
 # element state is, as swap_optimizer.codec.STATE_CODE_FORMS names it: the map
 # and rounding of its 8-bit codes (bf16 ones round stochastically, whatever
 # the kind).
-SIGNED, DENOMINATOR, RUNNING_MAX, DECAYING_MAX = "signed", "denominator", "running_max", "decaying_max"
-RAW_DENOMINATOR, ACCUMULATOR = "raw_denominator", "accumulator"
+SIGNED, DENOMINATOR, ACCUMULATOR, RUNNING_MAX, DECAYING_MAX, RAW_DENOMINATOR = STATE_KINDS
 
 
 @dataclass(frozen=True)

@@ -124,29 +124,26 @@ def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state
 
 def _refuse_settings(config: SwapOptimizerConfig, name: str, declaration: Declaration, learning: bool) -> None:
     compact = config.state_dtype in (torch.bfloat16, torch.uint8)
-    if compact and learning:
+    for setting, on in ((f"state_dtype={config.state_dtype}", compact),
+                        ("kahan_summation=True", config.kahan_summation)):
+        if on and learning and not declaration.elementwise:
+            raise ValueError(f"SwapOptimizer: {setting} with an optimizer wrapped on your word ({name}) needs "
+                             "trust_elementwise_step=True too: its states are stored and its update run piece by "
+                             "piece as an elementwise optimizer's. If its update is elementwise, set it; else "
+                             "leave the setting off")
+        if on and not declaration.elementwise:
+            raise ValueError(f"SwapOptimizer: {setting} works with elementwise optimizers (Adam, SGD, RMSprop, "
+                             f"...), not with {name}: its update reads each param whole (Adafactor's factored "
+                             "rows and columns, Muon's momentum under Newton-Schulz): its states are not worth "
+                             "quantizing and it does not run exactly on a float32 stand-in piece by piece; leave "
+                             "it off")
+    if compact and learning and config.trusted_state_kinds is None:
         raise ValueError(f"SwapOptimizer: state_dtype={config.state_dtype} with an optimizer wrapped on your word "
-                         f"(trust_per_param_step, {name}) is not supported: its states are learned at the first "
-                         "update, so their sign and role (a momentum, a denominator, a running maximum) are "
-                         "unknown, and a wrong 8-bit map or rounding would go wrong silently. Leave state_dtype at "
-                         "None (see 'Compact states' in docs/usage.md)")
-    if compact and not declaration.elementwise:
-        raise ValueError(f"SwapOptimizer: state_dtype={config.state_dtype} works with elementwise optimizers (Adam, "
-                         f"SGD, RMSprop, ...), not with {name}: its states (Adafactor's factored rows and columns, "
-                         "Muon's momentum under Newton-Schulz) are read whole and are not worth quantizing; leave "
-                         "state_dtype at None")
-    if config.kahan_summation and learning:
-        raise ValueError(f"SwapOptimizer: kahan_summation=True with an optimizer wrapped on your word "
-                         f"(trust_per_param_step, {name}) is not supported: its update would run on a float32 "
-                         "copy of each 16-bit param with its states in float32, and an optimizer whose states are "
-                         "learned at the first update is not known to keep them in its param's dtype. Leave "
-                         "kahan_summation at False (see 'Kahan summation with the other optimizers' in "
-                         "docs/usage.md)")
-    if config.kahan_summation and not declaration.elementwise:
-        raise ValueError(f"SwapOptimizer: kahan_summation=True works with elementwise optimizers (SGD, RMSprop, "
-                         f"...), not with {name}: its update reads each param whole (Adafactor's factored "
-                         "statistics, Muon's Newton-Schulz in bf16), so it does not run exactly on a float32 "
-                         "stand-in piece by piece; leave kahan_summation at False")
+                         f"({name}) needs trusted_state_kinds: its states are learned at the first update, so "
+                         "their role (a momentum, a denominator, a running maximum), which picks their 8-bit map "
+                         "and rounding, is unknown, and a wrong one would go wrong silently. Name each "
+                         "param-shaped state's kind, e.g. trusted_state_kinds={'exp_avg': 'signed'} (docs/usage.md, "
+                         "'Compact states'), or leave state_dtype at None")
     adam_only = [field for field, off in (("state_dtype", config.state_dtype is None or compact),
                                           ("master_weights", not config.master_weights)) if not off]
     if adam_only:
@@ -487,13 +484,14 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
 
 
 def _rounding_step(step: _StepContext, index: int, entry: dict) -> int:
-    """The step that keys param `index`'s bf16 rounding in this update: torch's
-    own step count after it, or the rule's count (ROUNDING_STEP) where the
-    optimizer keeps none. Every piece of a cut param gets the same."""
-    if "step" in entry:
-        value = entry["step"]
-        return int(value.item() if torch.is_tensor(value) else value)
-    return int(step.scalars_before[index].get(ROUNDING_STEP, 0)) + 1
+    """The step that keys param `index`'s bf16 rounding in this update: the
+    rule's count (ROUNDING_STEP) where its layout keeps one (SGD keeps no
+    step; a vouched-for optimizer's 'step' may mean anything), else torch's
+    own step count after it. Every piece of a cut param gets the same."""
+    if any(spec.name == ROUNDING_STEP for spec in step.layouts[index]):
+        return int(step.scalars_before[index].get(ROUNDING_STEP, 0)) + 1
+    value = entry["step"]
+    return int(value.item() if torch.is_tensor(value) else value)
 
 
 def update_temporaries(declaration: Declaration, groups: list[dict], batch_layout: list[dict], states: list,
@@ -557,7 +555,7 @@ class TorchUpdateRule:
         if self._compact is not None:  # bf16 states (under 8-bit too: BF16_UNDER_8BIT); saved in state dicts
             self._rounding_seed = config.rounding_seed if config.rounding_seed is not None else \
                 _shared_default_seed()
-        if self._compact is not None:
+        if self._compact is not None and not self.learning:  # (a vouched-for optimizer's kinds: its check_wrap)
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
             if not any(compacts(self._compact, spec.code) for group in self.optimizer.param_groups
                        for p in group["params"]
@@ -1130,9 +1128,8 @@ class TorchUpdateRule:
             i = index_of[pid]
             p = params[i]
             entry = loaded.setdefault(p, {})
-            forms = {spec.name: spec.form for spec in layouts[i]}
+            forms, kahan = self._load_forms(p, layouts[i], kept)
             # A param with Kahan keeps its float32 values as they are (its update runs in float32).
-            kahan = COMPENSATION in forms
             dtype = torch.float32 if kahan else p.dtype
             for key, value in kept.items():
                 if key == COMPENSATION:
@@ -1152,6 +1149,13 @@ class TorchUpdateRule:
                     entry[key] = value
                 else:  # a bf16 state loaded into another form: torch's cast
                     entry[key] = value.to(p.dtype)
+
+    def _load_forms(self, param: torch.Tensor, layout: tuple, kept: dict) -> tuple[dict, bool]:
+        """For a param whose loaded entry sets aside `kept`: each state's form
+        in this store, and whether the param keeps a Kahan compensation (its
+        layout's, for a declared optimizer)."""
+        forms = {spec.name: spec.form for spec in layout}
+        return forms, COMPENSATION in forms
 
     def load_state_dict(self, opt, state_dict: dict[str, Any]) -> None:
         """As torch.optim's (torch's own load casts the values, so a resume is

@@ -7,13 +7,18 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import warnings
 from typing import Any, Optional
 
 import torch
 
-from ..distributed import _is_dtensor, _like_param, _local
+from ..compact import ROUNDING_STEP
+from ..distributed import _global_offset, _is_dtensor, _like_param, _local
+from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, BatchCodec, blocks, compacts, form_for, kahan_applies,
+                             kahan_round, kahan_stand_in, update_dtype)
 from .declarations import ELEMENT, SCALAR, WHOLE, Declaration
-from .torch_update import TorchUpdateRule, _copied, _fingerprint, _fresh, _keep_scalar, _Kept, run_torch_update
+from .torch_update import (TorchUpdateRule, _copied, _fingerprint, _fresh, _keep_scalar, _Kept, _state_name,
+                           _store_keys, run_torch_update)
 
 
 
@@ -230,6 +235,107 @@ class VouchedForRule(TorchUpdateRule):
                              "param, its grad and its param-shaped states), pass trust_elementwise_step=True too; "
                              "else keep this optimizer's state on the device")
 
+    def check_wrap(self, config) -> None:
+        """As a declared optimizer's; under compact states, trusted_state_kinds
+        names the kinds of its states (one that names none compacts nothing:
+        a warning)."""
+        super().check_wrap(config)
+        self._kinds = dict(config.trusted_state_kinds or {})
+        if self._compact is not None and not any(compacts(self._compact, kind) for kind in self._kinds.values()):
+            warnings.warn(f"SwapOptimizer: state_dtype={config.state_dtype}: trusted_state_kinds "
+                          f"{self._kinds} names no state that is stored compact under it (docs/usage.md, 'Compact "
+                          "states'); the states of "
+                          f"{type(self.optimizer).__name__} stay exact", UserWarning, stacklevel=3)
+
+    def _stores_apart(self, param: torch.Tensor) -> bool:
+        """Whether `param`'s store differs from what its optimizer keeps
+        (compact states, or Kahan's float32 states and compensation)."""
+        return self._compact is not None or kahan_applies(_local(param), self._kahan)
+
+    def _learn(self, index: int, param: torch.Tensor, entry: dict, check_device: bool = False,
+               from_update: bool = False) -> tuple[_Kept, ...]:
+        """The store's layout of param `index` that keeps `entry`: what the
+        optimizer keeps (_learn_layout) in the store's forms (_stored_layout).
+        `entry` may be in the store's own form (8-bit codes and scales, bf16,
+        a compensation: the store's entries, a compact state dict), read as
+        the states it holds. from_update: `entry` is what the optimizer's
+        own update kept (not a loaded or stored one)."""
+        name = type(self.optimizer).__name__
+        if self._stores_apart(param) and not from_update:
+            entry = self._as_kept(param, entry)
+        return self._stored_layout(index, param, _learn_layout(index, param, entry, name, check_device),
+                                   from_update)
+
+    def _as_kept(self, param: torch.Tensor, entry: dict) -> dict:
+        """`entry` with the store's own keys read as the states they hold: an
+        8-bit state's codes and scales as the state (a stand-in of its shape),
+        the compensation and the rounding's count left out."""
+        kept = {}
+        dtype = update_dtype(_local(param), self._kahan)
+        for key, value in entry.items():
+            if key == ROUNDING_STEP or (key == COMPENSATION and kahan_applies(_local(param), self._kahan)):
+                continue
+            state = _state_name(key)
+            if state != key and state + CODES in entry and state + ABSMAX in entry:
+                if key.endswith(CODES):
+                    kept[state] = torch.empty(value.shape, dtype=dtype, device="meta")
+                continue
+            kept[key] = value
+        return kept
+
+    def _stored_layout(self, index: int, param: torch.Tensor, learned: tuple[_Kept, ...],
+                       from_update: bool) -> tuple[_Kept, ...]:
+        """The store's layout of a param whose optimizer keeps `learned`: with
+        compact states or Kahan, each param-shaped float state in the dtype
+        the update runs the param in (float32 under Kahan), compact in the
+        form its kind (trusted_state_kinds) gives it; the rounding's own count
+        beside bf16 ones, a compensation with Kahan. The states in name order
+        (a compact state's place keys its rounding: it must not depend on the
+        order a state dict lists them in)."""
+        if not self._stores_apart(param):
+            return learned
+        name = type(self.optimizer).__name__
+        shard = _local(param)
+        dtype = update_dtype(shard, self._kahan)
+        kahan = kahan_applies(shard, self._kahan)
+        specs = []
+        for kept in sorted(learned, key=lambda spec: spec.name):
+            where = f"SwapOptimizer: {name}'s state '{kept.name}' of param {index}"
+            if from_update and kept.name in (ROUNDING_STEP, COMPENSATION):
+                raise ValueError(f"{where} has the name of a state SwapOptimizer keeps itself under "
+                                 "state_dtype or kahan_summation; leave those settings off for this optimizer")
+            if kept.kind != ELEMENT or not kept.dtype.is_floating_point:
+                specs.append(kept)
+                continue
+            if from_update and kept.dtype != dtype:
+                raise TypeError(f"{where} is {kept.dtype}, but its update ran the param in {dtype}: compact states "
+                                "and Kahan store param-shaped states in that dtype, which would change this "
+                                "optimizer's update. Leave state_dtype and kahan_summation off for it")
+            code = None
+            if self._compact is not None:
+                if kept.name not in self._kinds:
+                    raise ValueError(f"{where} is param-shaped, and trusted_state_kinds {self._kinds} does not name "
+                                     f"it: under a compact state_dtype each param-shaped state needs its kind, e.g. "
+                                     f"trusted_state_kinds={{..., '{kept.name}': 'signed'}} for a momentum "
+                                     "(docs/usage.md, 'Compact states'), or None to keep it exact")
+                code = self._kinds[kept.name]
+            form = form_for(self._compact, code, param, dtype)
+            specs.append(kept._replace(dtype=dtype, form=form, code=code if form else None))
+        if any(spec.form == BF16 for spec in specs):
+            specs.append(_Kept(ROUNDING_STEP, SCALAR, None))
+        if kahan:
+            specs.append(_Kept(COMPENSATION, ELEMENT, None, dtype=shard.dtype))
+        return tuple(specs)
+
+    def _load_forms(self, param: torch.Tensor, layout: tuple, kept: dict) -> tuple[dict, bool]:
+        """The forms a loaded entry's states take here, by their kinds (a
+        param that has not stepped yet has no layout to ask)."""
+        shard = _local(param)
+        dtype = update_dtype(shard, self._kahan)
+        forms = {name: form_for(self._compact, self._kinds.get(name), param, dtype)
+                 for name in {_state_name(key) for key in kept}}
+        return forms, kahan_applies(shard, self._kahan)
+
     def _step_writes(self, opt) -> _GroupWrites:
         self._writes = _GroupWrites(type(self.optimizer).__name__, list(opt.param_groups), self._step_groups)
         return self._writes
@@ -257,7 +363,7 @@ class VouchedForRule(TorchUpdateRule):
         self._refuse_foreign_keys(opt)
         index_of = {id(p): i for i, p in enumerate(opt._params())}
         for p, entry in existing.items():
-            _learn_layout(index_of[id(p)], p, entry, type(self.optimizer).__name__, check_device=True)
+            self._learn(index_of[id(p)], p, entry, check_device=True)
         self._not_updated = {id(p) for p in existing}
         super().start(opt, existing)
 
@@ -278,8 +384,7 @@ class VouchedForRule(TorchUpdateRule):
             return learned
         if not params:  # an empty store for the current params: their layouts as learned
             return self._learned
-        name = type(self.optimizer).__name__
-        return {p: _learn_layout(i, p, previous[p], name) for i, p in enumerate(params) if previous.get(p)}
+        return {p: self._learn(i, p, previous[p]) for i, p in enumerate(params) if previous.get(p)}
 
     def _loaded(self, loaded: dict) -> None:
         self._probed.clear()  # new settings: the contract is checked again
@@ -292,11 +397,13 @@ class VouchedForRule(TorchUpdateRule):
     def _learn_first_updates(self, opt, params: list[torch.Tensor], grads: list, first: list[int]) -> None:
         """A trusted optimizer's first update of each param in `first`, whole
         and on its own, on the device: the states it makes tell the param's
-        layout, and the store is laid out again with them. If anything fails
-        (a call breaks the contract, a state cannot be streamed, state_keys
-        names a state it does not keep), the params updated so far get their
-        values back before the error: nothing changed."""
-        name = type(self.optimizer).__name__
+        layout, and the store is laid out again with them. With Kahan it runs
+        on the float32 stand-in, as a batch's update does, and compact states
+        are decoded and encoded as a batch's are: the update is the one the
+        pipeline would make. If anything fails (a call breaks the contract, a
+        state cannot be streamed, state_keys names a state it does not keep),
+        the params updated so far get their values back before the error:
+        nothing changed."""
         backups, updated, layouts, stateless = [], {}, {}, []
         had_state = any(self._shown[i] for i in first)
         if had_state:
@@ -307,21 +414,34 @@ class VouchedForRule(TorchUpdateRule):
                 start_state = self._start_state(i, param)  # before the param changes
                 piece = _local(param).detach()  # a DTensor's: this rank's shard, updated on its own
                 backups.append((piece, piece.to("cpu", copy=True)))
-                piece.grad = grads[i].clone()  # the call may change it in place; a refusal must not
-                state = {piece: start_state}
-                call_group, start = self._writes.call_group(self._group_of[i], [piece])
+                kahan = kahan_applies(piece, self._kahan)
+                if kahan:  # (a float32 copy of the grad: the call may change it in place)
+                    target = kahan_stand_in(piece, grads[i], self._stored_compensation(i, piece))
+                else:
+                    target = piece
+                    target.grad = grads[i].clone()  # the call may change it in place; a refusal must not
+                state = {target: start_state}
+                call_group, start = self._writes.call_group(self._group_of[i], [target])
                 run_torch_update(self.optimizer, [call_group], state, strict=True)
                 self._writes.note(self._group_of[i], call_group, start)
-                updated[i] = state[piece]
-                layouts[i] = _learn_layout(i, param, updated[i], name, check_device=True)  # refuses the unstreamable
+                updated[i] = state[target]
+                # (refuses the unstreamable, and under compact states a state of no named kind)
+                layouts[i] = self._learn(i, param, updated[i], check_device=True, from_update=True)
                 if not updated[i]:
                     stateless.append(id(param))
+                if kahan:
+                    compensation = torch.empty_like(piece)
+                    kahan_round(target, piece, compensation)
+                    updated[i] = dict(updated[i], **{COMPENSATION: compensation})
+                updated[i] = self._in_stored_form(i, param, layouts[i], updated[i])
             if all(self._shown[i] and updated[i] and layouts[i] == self._layouts_now[i] for i in first):
                 self._write_entries(opt, updated)  # a resume: the states the store holds already, new values
             elif had_state or any(updated.values()):
                 # (a DTensor param's as torch.optim holds them: DTensors over its shard's)
                 entries = {params[i]: {key: _like_param(value.to("cpu", copy=True), params[i])
-                                       if torch.is_tensor(value) and value.dim() > 0 else value
+                                       if torch.is_tensor(value) and value.shape == _local(params[i]).shape
+                                       else value.to("cpu", copy=True) if torch.is_tensor(value) and value.dim() > 0
+                                       else value
                                        for key, value in entry.items()} for i, entry in updated.items()}
                 self._lay_out(opt, {**self._kept_state(opt), **entries})
         except BaseException:
@@ -331,29 +451,82 @@ class VouchedForRule(TorchUpdateRule):
         self._stateless.update(stateless)
         self._not_updated -= {id(params[i]) for i in first}
 
+    def _stored_compensation(self, index: int, piece: torch.Tensor) -> Optional[torch.Tensor]:
+        """A device copy of param `index`'s Kahan compensation (None before its
+        first update). The caller has synchronized."""
+        if not self._shown[index] or not any(spec.name == COMPENSATION for spec in self._layouts_now[index]):
+            return None
+        return _local(self._entry(index)[COMPENSATION]).to(piece.device, copy=True)
+
+    def _in_stored_form(self, index: int, param: torch.Tensor, layout: tuple, entry: dict) -> dict:
+        """`entry` (what a whole update kept) with its compact states encoded
+        into the store's form on the device, as a batch's update encodes them
+        (the same rounding keys: param, state, element, the rounding's count),
+        and that count advanced."""
+        compact = [spec for spec in layout if spec.form is not None]
+        if not compact:
+            return entry
+        piece = _local(param)
+        count = (int(self._scalars[index].get(ROUNDING_STEP, 0)) if self._shown[index] else 0) + 1
+        codec = BatchCodec(piece.device, self._rounding_seed)
+        stored = dict(entry)
+        for state_index, spec in enumerate(compact):  # (their place among the compact states keys the rounding)
+            outputs = {key: torch.empty(piece.shape if kind == "element" else (blocks(piece.numel()),),
+                                        dtype=dtype, device=piece.device)
+                       for key, kind, dtype in _store_keys(spec, piece.dtype)}
+            codec.write_back(spec.form, spec.code, outputs, spec.name, stored.pop(spec.name), index, state_index,
+                             _global_offset(param, index), count)
+            stored.update(outputs)
+        codec.encode()
+        if any(spec.name == ROUNDING_STEP for spec in layout):
+            stored[ROUNDING_STEP] = torch.tensor(count, dtype=torch.int64)
+        return stored
+
     def _write_entries(self, opt, updated: dict) -> None:
         """Writes the states of params whose layout did not change (index ->
-        its state after a whole update) into the store: views copied, scalars
-        in place where they can be (torch keeps their identity)."""
+        its state after a whole update, in the store's form) into the store:
+        views copied, scalars in place where they can be (torch keeps their
+        identity)."""
         for i, entry in updated.items():
             for spec in self._layouts_now[i]:
                 if spec.kind == SCALAR:
                     _keep_scalar(self._scalars[i], spec.name, entry[spec.name])
                 else:
-                    self._views[i][spec.name].copy_(entry[spec.name])
+                    for key, _, _ in _store_keys(spec, torch.float32):
+                        self._views[i][key].copy_(entry[key])
         opt._runtime.order_writes()  # resident states written on this stream
         self._refresh_state(opt, opt._params())
 
     def _start_state(self, index: int, param: torch.Tensor) -> dict:
         """Copies, on the param's device, of the state param `index` has now
         (none before its first update, unless the optimizer made some in its
-        __init__ or it was loaded): what a whole update of it starts from.
-        The caller has synchronized: the host store holds the last step's."""
+        __init__ or it was loaded), as its optimizer keeps it: compact states
+        decoded as a batch's update decodes them, without the store's own
+        (a compensation, the rounding's count). What a whole update of it
+        starts from. The caller has synchronized: the host store holds the
+        last step's."""
         if not self._shown[index]:
             return {}
         shard = _local(param)  # a DTensor's states: its local shard's
-        return {key: (_local(value).to(shard.device, copy=True) if value.dim() > 0 else value.clone())
-                if torch.is_tensor(value) else copy.deepcopy(value) for key, value in self._entry(index).items()}
+        stored = self._entry(index)
+        kahan = kahan_applies(shard, self._kahan)
+        state, codec = {}, None
+        for spec in self._layouts_now[index]:
+            if spec.name == ROUNDING_STEP or (kahan and spec.name == COMPENSATION):
+                continue
+            if spec.form is not None:
+                if codec is None:
+                    codec = BatchCodec(shard.device, self._rounding_seed)
+                copies = {key: _local(stored[key]).to(shard.device, copy=True)
+                          for key, _, _ in _store_keys(spec, shard.dtype)}
+                state[spec.name] = codec.scratch(spec.form, spec.code, copies, spec.name, shard.shape, spec.dtype)
+                continue
+            value = stored[spec.name]
+            state[spec.name] = (_local(value).to(shard.device, copy=True) if value.dim() > 0 else value.clone()) \
+                if torch.is_tensor(value) else copy.deepcopy(value)
+        if codec is not None:
+            codec.decode()
+        return state
 
     def _probe_contract(self, opt, params: list[torch.Tensor], grads: list, candidates: list[int]) -> None:
         """What can be checked of the user's word before a trusted optimizer's
@@ -376,11 +549,14 @@ class VouchedForRule(TorchUpdateRule):
         with torch.random.fork_rng(devices=devices):
             for key, i in smallest.items():
                 value, grad = _local(params[i]).detach(), grads[i]  # a DTensor's: its local shard
+                if kahan_applies(value, self._kahan):  # as its updates run: on a float32 stand-in
+                    value, grad = value.float(), grad.float()
                 start = self._start_state(i, params[i])
                 # A second grad that is no multiple of the first.
                 grads_by_step = [grad, grad.reshape(-1).roll(1).reshape(grad.shape) * 2]
                 alone, = self._probe_updates(key[0], [value], [[g] for g in grads_by_step], [start])
-                layout = _learn_layout(i, params[i], alone[1], name, check_device=True)  # refuses the unstreamable
+                # (refuses the unstreamable, and under compact states a state of no named kind)
+                layout = self._learn(i, params[i], alone[1], check_device=True, from_update=True)
                 # The companion comes first: an update that depends on what came
                 # before it in the call (a running norm, a value carried from one
                 # param to the next) shows too.

@@ -441,11 +441,6 @@ def test_what_is_refused():
         so.SwapOptimizer(torch.optim.Muon(params), state_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="Adam/AdamW only"):
         so.SwapOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), state_dtype=torch.float32)
-    from optimizer_cases import Lion
-
-    with pytest.raises(ValueError, match="trust_per_param_step"):
-        so.SwapOptimizer(Lion(params), trust_per_param_step=True, trust_elementwise_step=True,
-                         state_dtype=torch.bfloat16)
 
 
 def test_rprop_keeps_its_states_exact():

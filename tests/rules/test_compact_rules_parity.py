@@ -1,8 +1,8 @@
 """Training parity of compact states on torch's update path (slow tier).
 
 benchmarks/state_modes_parity.py's byte-level transformer and data, 1,000
-steps (warmup, cosine decay), per elementwise optimizer: the exact run (torch's
-own optimizer, fp32 states) against SwapOptimizer with bf16 states
+steps (warmup, cosine decay), per elementwise optimizer (a hand-written Lion,
+vouched for, too): the exact run (the plain optimizer, fp32 states) against SwapOptimizer with bf16 states
 (stochastic rounding) and with 8-bit states. Each compact run's final loss
 (mean of the last 50 steps) must be within 2% of the exact run's, and the
 exact run must have learned (well under ln 256 = 5.55 nats). ASGD is left
@@ -20,6 +20,7 @@ import torch
 
 import swap_optimizer as so
 from conftest import ROOT
+from optimizer_cases import Lion
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -39,14 +40,20 @@ OPTIMIZERS = {
     "Adamax": (4e-3, lambda ps, lr: torch.optim.Adamax(ps, lr=lr)),
     "NAdam": (2e-3, lambda ps, lr: torch.optim.NAdam(ps, lr=lr, weight_decay=0.01)),
     "RAdam": (2e-3, lambda ps, lr: torch.optim.RAdam(ps, lr=lr)),
+    # (vouched-for: its settings in SETTINGS)
+    "Lion": (3e-4, lambda ps, lr: Lion(ps, lr=lr, weight_decay=0.01)),
 }
+# SwapOptimizer settings an optimizer needs beyond the mode's.
+SETTINGS = {"Lion": dict(trust_per_param_step=True, trust_elementwise_step=True,
+                         trusted_state_kinds={"exp_avg": "signed"})}
 
 
 def train(name, fields, corpus, offsets):
     peak, make = OPTIMIZERS[name]
     model = parity.build_model(torch.float32)
     inner = make(model.parameters(), peak)
-    optimizer = inner if fields is None else so.SwapOptimizer(inner, swap_times=parity.SWAP_TIMES, **fields)
+    optimizer = inner if fields is None else so.SwapOptimizer(inner, swap_times=parity.SWAP_TIMES, **fields,
+                                                              **SETTINGS.get(name, {}))
     losses = parity.train_loop(model, optimizer, corpus, offsets, peak_lr=peak)
     tail = losses[-parity.FINAL_WINDOW:]
     final = sum(tail) / len(tail) if len(losses) == STEPS else float("nan")

@@ -340,11 +340,11 @@ def test_param_written_outside_step_zeroes_its_compensation():
 @pytest.mark.parametrize("make,settings,message", [
     (lambda ps: torch.optim.Adafactor(ps), {}, "kahan_summation=True works with elementwise optimizers"),
     (lambda ps: torch.optim.Muon(ps), {}, "kahan_summation=True works with elementwise optimizers"),
-    ("Lion", dict(trust_per_param_step=True, trust_elementwise_step=True),
-     "kahan_summation=True with an optimizer wrapped on your word"),
+    ("Lion", dict(trust_per_param_step=True),
+     "kahan_summation=True with an optimizer wrapped on your word \\(Lion\\) needs trust_elementwise_step"),
     (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), dict(master_weights=True, kahan_summation=False),
      "master_weights work\\(s\\) with Adam/AdamW only for now, not with SGD.*kahan_summation=True keeps"),
-], ids=["Adafactor", "Muon", "vouched-for", "master_weights"])
+], ids=["Adafactor", "Muon", "vouched-for-not-elementwise", "master_weights"])
 def test_what_is_refused(make, settings, message):
     params = make_params([torch.bfloat16], shapes=[(64, 64)])
     if make == "Lion":

@@ -227,7 +227,7 @@ def test_compact_states_stay_close_or_are_refused(case, variant, mode):
     fields = swap_settings(case, swap_times=4)
     compacts = case.compact[mode] if isinstance(case.compact, dict) else case.compact
     if not compacts:
-        reason = "trust_per_param_step" if case.vouched_for else "works with elementwise optimizers"
+        reason = "needs trust_elementwise_step" if case.vouched_for else "works with elementwise optimizers"
         with pytest.raises(ValueError, match=reason):
             so.SwapOptimizer(case.make(variant)(case.params()()), state_dtype=state_dtype, **fields)
         return
@@ -239,9 +239,15 @@ def test_compact_states_stay_close_or_are_refused(case, variant, mode):
                           f"{case.name} {variant} {mode}")
         return
     compact = run_pair(case.make(variant), case.params(), STEPS, state_dtype=state_dtype, **fields)
-    moved = max((q.detach() - start).abs().max().item() for q, start in zip(exact.swapped_params, case.params()()))
-    for i, (p, q) in enumerate(zip(compact.swapped_params, exact.swapped_params)):
-        assert_close(p.detach(), q.detach(), rtol=0, atol=share * moved, msg=lambda m: f"{mode} param {i}: {m}")
+    if case.sign_update:  # (a sign flipped near 0 moves that element a whole step: the mean is bounded)
+        for i, (p, q, start) in enumerate(zip(compact.swapped_params, exact.swapped_params, case.params()())):
+            off, moved = (p - q).abs().mean().item(), (q - start).abs().mean().item()
+            assert off <= share * moved, f"{mode} param {i}: mean difference {off:.3g}, {share} of {moved:.3g} allowed"
+    else:
+        moved = max((q.detach() - start).abs().max().item()
+                    for q, start in zip(exact.swapped_params, case.params()()))
+        for i, (p, q) in enumerate(zip(compact.swapped_params, exact.swapped_params)):
+            assert_close(p.detach(), q.detach(), rtol=0, atol=share * moved, msg=lambda m: f"{mode} param {i}: {m}")
     moved = [pair.swapped.memory_stats()["bytes_per_param_each_way"] for pair in (compact, exact)]
     assert moved[0] < moved[1], f"{mode} moves {moved[0]:.3f} bytes a param each way, the exact run {moved[1]:.3f}"
 
@@ -254,7 +260,7 @@ def test_kahan_summation_is_bitwise_across_cuts_or_refused(case, variant):
     and cut (swap_times=4); elsewhere the wrap is refused with the reason.
     (Its accuracy and its reference: tests/rules/test_kahan_rules.py.)"""
     if not case.kahan:
-        reason = "wrapped on your word" if case.vouched_for else "works with elementwise optimizers"
+        reason = "needs trust_elementwise_step" if case.vouched_for else "works with elementwise optimizers"
         with pytest.raises(ValueError, match=reason):
             so.SwapOptimizer(case.make(variant)(case.params(torch.bfloat16)()), kahan_summation=True,
                              **swap_settings(case))
