@@ -283,7 +283,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.wait()  # after the closure, whose forward overlapped the last step
-        # Ends the pass since the last step (a probe's record becomes the plan);
+        # Ends the pass since the last step (a probe's record becomes the wait schedule);
         # may refuse grads whose forward could not wait for that step.
         if self._overlap is not None:
             self._overlap.end_pass()

@@ -182,49 +182,47 @@ class Planner:
         return f"torch.optim.{self.name}(params" + "".join(f", {k}={v!r}" for k, v in self.optimizer_args.items()) \
             + ")"
 
-    def rule(self, mode: str):
-        """The rule SwapOptimizer chooses for the optimizer in `mode`, its
-        check_wrap passed (a TypeError or ValueError where SwapOptimizer
-        refuses the optimizer or the mode: refusal; its warnings, a setting
-        that does nothing here: wrap_warnings)."""
-        if mode not in self._rules:
+    def _wrap(self, mode: str) -> tuple:
+        """SwapOptimizer's wrap of the optimizer in `mode`, made once: (the
+        rule it chooses, its check_wrap passed, or None; its refusal as
+        (error type, message), or None; the warnings it gives, a setting that
+        does nothing here)."""
+        if mode not in self._wraps:
             config = SwapOptimizerConfig(**STATE_MODES[mode])
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
                     rule = choose_rule(self.optimizer, config)
                     rule.check_wrap(config)
+                    refusal = None
                 except (TypeError, ValueError) as error:
-                    self._rules[mode] = (type(error), str(error))
-                else:
-                    self._rules[mode] = rule
-            self._warnings[mode] = [str(w.message).removeprefix("SwapOptimizer: ") for w in caught
-                                    if str(w.message).startswith("SwapOptimizer: ")]
-        if isinstance(self._rules[mode], tuple):
-            error_type, message = self._rules[mode]
+                    rule, refusal = None, (type(error), str(error))
+            self._wraps[mode] = (rule, refusal, [str(w.message).removeprefix("SwapOptimizer: ") for w in caught
+                                                 if str(w.message).startswith("SwapOptimizer: ")])
+        return self._wraps[mode]
+
+    @functools.cached_property
+    def _wraps(self) -> dict:
+        return {}
+
+    def rule(self, mode: str):
+        """The rule SwapOptimizer chooses for the optimizer in `mode`; raises
+        SwapOptimizer's TypeError or ValueError where it refuses the optimizer
+        or the mode."""
+        rule, refusal, _ = self._wrap(mode)
+        if refusal is not None:
+            error_type, message = refusal
             raise error_type(message)
-        return self._rules[mode]
-
-    @functools.cached_property
-    def _rules(self) -> dict:  # mode -> its rule, check_wrap passed, or SwapOptimizer's refusal (type, message)
-        return {}
-
-    @functools.cached_property
-    def _warnings(self) -> dict:  # mode -> the warnings SwapOptimizer gives when it wraps the optimizer so
-        return {}
+        return rule
 
     def wrap_warnings(self, mode: str) -> list[str]:
         """What SwapOptimizer warns when it wraps the optimizer in `mode` (a setting that does nothing here)."""
-        self.accepts(mode)
-        return self._warnings[mode]
+        return self._wrap(mode)[2]
 
     def refusal(self, mode: str) -> Optional[str]:
         """Why SwapOptimizer refuses the optimizer in `mode`, or None where it takes it."""
-        try:
-            self.rule(mode)
-        except (TypeError, ValueError):
-            return self._rules[mode][1].removeprefix("SwapOptimizer: ")
-        return None
+        refusal = self._wrap(mode)[1]
+        return None if refusal is None else refusal[1].removeprefix("SwapOptimizer: ")
 
     @functools.cached_property
     def declaration(self):
@@ -241,7 +239,13 @@ class Planner:
     def layouts(self, mode: str) -> list[tuple]:
         """Per param, the states torch's update rule keeps in `mode` (8-bit forms
         decided on the whole param's numel, as the rule decides on a DTensor's)."""
-        return self.rule(mode).layouts_for(self.optimizer.param_groups, self.whole_numels)
+        if mode not in self._layouts:
+            self._layouts[mode] = self.rule(mode).layouts_for(self.optimizer.param_groups, self.whole_numels)
+        return self._layouts[mode]
+
+    @functools.cached_property
+    def _layouts(self) -> dict:
+        return {}
 
     def same_store(self, mode: str) -> Optional[str]:
         """The earlier mode whose store `mode` keeps as it is under torch's update
@@ -506,14 +510,15 @@ def row_notes(rows: list[dict], dtype: torch.dtype, planner: Planner, state_mode
             refused.setdefault(planner.refusal(mode), []).append(f"'swapped {mode}' ({settings_of(mode)})")
     notes += [f"Note: no {', '.join(modes)} row{'s' if len(modes) > 1 else ''}: SwapOptimizer refuses "
               f"{planner.name} so: {sentence(refusal)}" for refusal, modes in refused.items()]
+    left_out = planner.left_out()
     for mode in shown:
-        same = planner.left_out().get(mode)
+        same = left_out.get(mode)
         if same is not None:
             notes.append(f"Note: no 'swapped {mode}' row: SwapOptimizer takes {planner.name} with {settings_of(mode)} "
                          f"and keeps the store of 'swapped{'' if same == 'default' else ' ' + same}' "
                          f"({', '.join(planner.store(mode).keys) or 'no state'}): the same bytes and update, as "
                          f"{same_store_reason(planner, mode, dtype)}.")
-    if state_mode != "default" and not (state_mode in shown and state_mode in planner.left_out()):
+    if state_mode != "default" and not (state_mode in shown and state_mode in left_out):
         # (a left-out mode's note says them)
         notes += [f"Note: --state-mode {state_mode}: {sentence(warning)}"
                   for warning in planner.wrap_warnings(state_mode)]
