@@ -41,7 +41,7 @@ from .config import SwapOptimizerConfig
 from .presets import PRESETS, DecoderShape, from_hf_config
 from .rules import DECLARATIONS, REFUSED, PackedKernelRule, choose_rule, keeps_adam_step
 from .rules.declarations import ELEMENT, SCALAR, WHOLE
-from .rules.torch_update import StoreRows, row_bytes, store_rows, update_temporaries
+from .rules.torch_update import StoreRows, UpdateTemporaries, row_bytes, store_rows
 
 GIB = 1 << 30
 DEFAULTS = SwapOptimizerConfig()
@@ -311,13 +311,13 @@ class Planner:
             splittable = [rule.declaration.elementwise and all(kind != "whole" for _, kind, *_ in row)
                           for row in store.rows]
             swap_keys = [True] * len(store.keys)
+            temporaries = UpdateTemporaries(rule.declaration, self.optimizer.param_groups, store.rows, PLANNED_DEVICE,
+                                            store.scratch)
 
             def lay_out_states(swappable: list, swap_times: int, num_arenas: int) -> _C.StagingSummary:
                 summary = _C.summarize_rule_staging(self.params, store.rows, swappable, splittable, swap_keys,
                                                     swap_times=swap_times, num_arenas=num_arenas)
-                return summary.with_update_temporary_bytes(update_temporaries(
-                    rule.declaration, self.optimizer.param_groups, summary.batch_layout, store.rows, PLANNED_DEVICE,
-                    store.scratch))
+                return summary.with_update_temporary_bytes(temporaries(summary.batch_layout))
             return lay_out_states
         config = SwapOptimizerConfig(**STATE_MODES[mode])
         quantized = [n >= MIN_QUANTIZED_NUMEL for n in self.whole_numels] if config.state_dtype == torch.uint8 else []

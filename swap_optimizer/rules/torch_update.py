@@ -246,7 +246,7 @@ class StoreRows(NamedTuple):
     bytes, dtype, shape) row per key (kind "absent" where the param keeps no
     such state); `scratch`, per param, the device bytes an element's compact
     scratch (and Kahan's float32 stand-in) takes during its update
-    (update_temporaries); `block_keys`, the keys of 8-bit scales."""
+    (UpdateTemporaries); `block_keys`, the keys of 8-bit scales."""
     keys: list[str]
     rows: list[list[tuple]]
     scratch: list[int]
@@ -494,37 +494,56 @@ def _rounding_step(step: _StepContext, index: int, entry: dict) -> int:
     return int(value.item() if torch.is_tensor(value) else value)
 
 
-def update_temporaries(declaration: Declaration, groups: list[dict], batch_layout: list[dict], states: list,
-                       device: torch.device, scratch: Optional[list] = None) -> int:
+class UpdateTemporaries:
     """An estimate of the device memory torch's update allocates beyond the
-    staged states, for the largest call over `batch_layout` (one per group, run
-    one after another: foreach intermediates, Newton-Schulz products, ..., see
-    Declaration.temporaries), whose params keep the states `states` (per param,
-    the store's (key, kind, unit bytes, dtype, shape) rows), counting their
-    creation at a first step, as torch's default path runs on `device` (the
-    planner passes cuda for meta params), and (compact states) the scratch
-    their decoded values take (`scratch`: per param, bytes an element; None: no
-    compact states; with Kahan, its float32 stand-in param and grad too). It
-    comes on top of staging_bytes."""
-    params = [p for group in groups for p in group["params"]]
-    group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
-    largest = 0
-    for batch in batch_layout:
-        rows_by_group: dict[int, list] = {}
-        new_state_bytes: dict[int, int] = {}
-        for index, offset, count in batch["pieces"]:
-            local = _local(params[index])
-            whole = count == local.numel()
-            g = group_of[index]
-            # (with Kahan a 16-bit param's update runs in float32, its compensation beside it)
-            upcast = any(key == COMPENSATION and kind == "element" for key, kind, *_ in states[index])
-            rows_by_group.setdefault(g, []).append((tuple(local.shape) if whole else (count,),
-                                                    4 if upcast else local.element_size()))
-            new_state_bytes[g] = new_state_bytes.get(g, 0) + (scratch[index] * count if scratch else 0) + sum(
-                row_bytes(kind, unit, count, whole) for _, kind, unit, _, _ in states[index])
-        for g, rows in rows_by_group.items():
-            largest = max(largest, estimated_temporaries(declaration, rows, groups[g], device, new_state_bytes[g]))
-    return largest
+    staged states, for the largest call over a batch layout (one call per
+    group, run one after another: foreach intermediates, Newton-Schulz
+    products, ..., see Declaration.temporaries), whose params keep the
+    states `states` (per param, the store's (key, kind, unit bytes, dtype,
+    shape) rows), counting their creation at a first step, as torch's
+    default path runs on `device` (the planner passes cuda for meta params),
+    and (compact states) the scratch their decoded values take (`scratch`:
+    per param, bytes an element; None: no compact states; with Kahan, its
+    float32 stand-in param and grad too). It comes on top of staging_bytes.
+    Made once per store: what each param brings is worked out here, so the
+    budget search, which weighs thousands of layouts of one store, pays
+    only per piece."""
+
+    def __init__(self, declaration: Declaration, groups: list[dict], states: list, device: torch.device,
+                 scratch: Optional[list] = None) -> None:
+        self.declaration, self.groups, self.device = declaration, groups, device
+        self._group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
+        # per param: its shape, numel and the element bytes torch's update runs it in
+        # (with Kahan a 16-bit param's update runs in float32, its compensation beside it)
+        self._params = []
+        # per param: state bytes per element (scratch included), per 256-element block, and whole
+        self._bytes = []
+        for index, p in enumerate(p for group in groups for p in group["params"]):
+            local, rows = _local(p), states[index]
+            upcast = any(key == COMPENSATION and kind == "element" for key, kind, *_ in rows)
+            self._params.append((tuple(local.shape), local.numel(), 4 if upcast else local.element_size()))
+            self._bytes.append(((scratch[index] if scratch else 0) + sum(
+                row_bytes(kind, unit, 1, False) for _, kind, unit, _, _ in rows if kind == "element"),
+                sum(unit for _, kind, unit, _, _ in rows if kind == "block"),
+                sum(unit for _, kind, unit, _, _ in rows if kind == "whole")))
+
+    def __call__(self, batch_layout: list[dict]) -> int:
+        largest = 0
+        for batch in batch_layout:
+            rows_by_group: dict[int, list] = {}
+            new_state_bytes: dict[int, int] = {}
+            for index, _, count in batch["pieces"]:
+                shape, numel, element = self._params[index]
+                per_element, per_block, whole_bytes = self._bytes[index]
+                whole = count == numel
+                g = self._group_of[index]
+                rows_by_group.setdefault(g, []).append((shape if whole else (count,), element))
+                new_state_bytes[g] = new_state_bytes.get(g, 0) + per_element * count + per_block * blocks(count) + (
+                    whole_bytes if whole else 0)
+            for g, rows in rows_by_group.items():
+                largest = max(largest, estimated_temporaries(self.declaration, rows, self.groups[g], self.device,
+                                                             new_state_bytes[g]))
+        return largest
 
 
 class TorchUpdateRule:
@@ -668,15 +687,18 @@ class TorchUpdateRule:
                              f"{type(self.optimizer).__name__} here; its states are {names}")
         swap_keys = [opt.config.state_keys is None or _state_name(key) in opt.config.state_keys for key in keys]
         # (the plan keeps lay_out, which holds this rule, never the SwapOptimizer)
+        temporaries = UpdateTemporaries(self.declaration, self.optimizer.param_groups, states,
+                                        locals_[0].device if locals_ else torch.device("cpu"), scratch)
+
         def lay_out(swappable_now: list[bool], swap_times: int, num_arenas: int) -> _C.StagingSummary:
             summary = _C.summarize_rule_staging(locals_, states, swappable_now, splittable, swap_keys,
                                                 swap_times=swap_times, num_arenas=num_arenas)
-            return summary.with_update_temporary_bytes(self._temporaries_of(summary.batch_layout, states, scratch))
+            return summary.with_update_temporary_bytes(temporaries(summary.batch_layout))
 
         copies = copy_bytes(locals_, opt.__dict__.get("_unscale_in_step", False) or opt._overlap is not None)
         planning = Planning.make(opt.config, opt._budget_now(), lay_out, swappable, copies, opt._device,
                                  lambda: self._swap_times_for_budget(opt, locals_, states, swappable, splittable, swap_keys,
-                                                                     scratch),
+                                                                     temporaries),
                                  priority=opt._resident_priority())
         rule = _BatchRule()
         runtime = _C.SwapRuntime(locals_, states, planning.swappable, splittable, rule,
@@ -719,7 +741,8 @@ class TorchUpdateRule:
         self._block_keys = block_keys
         self._swap_keys = swap_keys
         self._state_rows = states
-        self._scratch = scratch
+        self._scratch = scratch  # (with _keys, _state_rows and _block_keys: the store's StoreRows, as the planner's)
+        self._temporaries = temporaries
         self._global_offsets = [_global_offset(p, i) for i, p in enumerate(params)] \
             if getattr(self, "_rounding_seed", None) is not None else None
         opt._planning = planning
@@ -741,7 +764,7 @@ class TorchUpdateRule:
         self._refresh_state(opt, params)
 
     def _swap_times_for_budget(self, opt, params: list, states: list, swappable: list, splittable: list,
-                               swap_keys: list, scratch: list) -> int:
+                               swap_keys: list, temporaries: UpdateTemporaries) -> int:
         """The smallest swap_times whose staging plus torch's update temporaries
         (an estimate, see memory_stats) fit in staging_budget_bytes; refuses,
         naming the smallest budget that works, when none does."""
@@ -750,8 +773,8 @@ class TorchUpdateRule:
         def need(swap_times: int) -> tuple[int, int, int]:
             summary = _C.summarize_rule_staging(params, states, swappable, splittable, swap_keys,
                                                 swap_times=swap_times, num_arenas=num_arenas)
-            staging, temporaries = summary.staging_bytes, self._temporaries_of(summary.batch_layout, states, scratch)
-            return staging + temporaries, staging, summary.finest_swap_times
+            staging = summary.staging_bytes
+            return staging + temporaries(summary.batch_layout), staging, summary.finest_swap_times
 
         finest = need(1)[2]
         for swap_times in range(1, min(num_arenas, finest) + 1):  # below num_arenas batches each adds an arena
@@ -1239,7 +1262,7 @@ class TorchUpdateRule:
         param the rule never cuts (Muon, Adafactor, a whole state), which
         every arena holds at least."""
         stats = {"swapped_state_keys": [k for k, swapped in zip(self._keys, self._swap_keys) if swapped],
-                 "update_temporary_bytes": self._temporaries_of(self._batch_layout, self._state_rows, self._scratch)}
+                 "update_temporary_bytes": self._temporaries(self._batch_layout)}
         params = opt._params()
         stats["largest_whole_param_state_bytes"] = max(
             (sum(row_bytes(kind, unit, _local(params[i]).numel(), True)
@@ -1262,10 +1285,3 @@ class TorchUpdateRule:
 
     def lay_out_empty(self, opt) -> None:
         self._lay_out(opt, {}, learned=self._learned_from([], {}, None))
-
-    def _temporaries_of(self, batch_layout: list[dict], states: list, scratch: list) -> int:
-        """update_temporaries for this rule's optimizer, on its params' device."""
-        groups = self.optimizer.param_groups
-        params = [p for group in groups for p in group["params"]]
-        device = _local(params[0]).device if params else torch.device("cpu")
-        return update_temporaries(self.declaration, groups, batch_layout, states, device, scratch)
