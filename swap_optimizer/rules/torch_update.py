@@ -1151,7 +1151,7 @@ class TorchUpdateRule:
             i = index_of[pid]
             p = params[i]
             entry = loaded.setdefault(p, {})
-            forms, kahan = self._load_forms(p, layouts[i], kept)
+            forms, kinds, kahan = self._load_forms(p, layouts[i], kept)
             # A param with Kahan keeps its float32 values as they are (its update runs in float32).
             dtype = torch.float32 if kahan else p.dtype
             for key, value in kept.items():
@@ -1162,8 +1162,10 @@ class TorchUpdateRule:
                 name = _state_name(key)
                 if key.endswith(ABSMAX) and name + CODES in kept:
                     continue  # with its codes
-                if key.endswith(CODES) and forms.get(name) != EIGHT_BIT and name + ABSMAX in kept:
-                    # 8-bit saved, another form here: decoded (by the saved map)
+                # (a vouched-for optimizer's kinds may have changed since the save)
+                other_map = maps.get(name) not in (None, STATE_CODE_FORMS.get(kinds.get(name), (None,))[0])
+                if key.endswith(CODES) and (forms.get(name) != EIGHT_BIT or other_map) and name + ABSMAX in kept:
+                    # 8-bit saved, another form or map here: decoded (by the saved map), encoded again by _lay_out
                     values = dequantize(value, kept[name + ABSMAX], name, maps.get(name))
                     entry[name] = values.to(dtype) if p.is_floating_point() else values
                 elif key.endswith(CODES):
@@ -1173,12 +1175,12 @@ class TorchUpdateRule:
                 else:  # a bf16 state loaded into another form: torch's cast
                     entry[key] = value.to(p.dtype)
 
-    def _load_forms(self, param: torch.Tensor, layout: tuple, kept: dict) -> tuple[dict, bool]:
+    def _load_forms(self, param: torch.Tensor, layout: tuple, kept: dict) -> tuple[dict, dict, bool]:
         """For a param whose loaded entry sets aside `kept`: each state's form
-        in this store, and whether the param keeps a Kahan compensation (its
-        layout's, for a declared optimizer)."""
+        and compact kind in this store, and whether the param keeps a Kahan
+        compensation (its layout's, for a declared optimizer)."""
         forms = {spec.name: spec.form for spec in layout}
-        return forms, COMPENSATION in forms
+        return forms, {spec.name: spec.code for spec in layout}, COMPENSATION in forms
 
     def load_state_dict(self, opt, state_dict: dict[str, Any]) -> None:
         """As torch.optim's (torch's own load casts the values, so a resume is

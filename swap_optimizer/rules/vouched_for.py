@@ -261,7 +261,7 @@ class VouchedForRule(TorchUpdateRule):
         the states it holds. from_update: `entry` is what the optimizer's
         own update kept (not a loaded or stored one)."""
         name = type(self.optimizer).__name__
-        if self._stores_apart(param) and not from_update:
+        if not from_update:
             entry = self._as_kept(param, entry)
         return self._stored_layout(index, param, _learn_layout(index, param, entry, name, check_device),
                                    from_update)
@@ -269,14 +269,16 @@ class VouchedForRule(TorchUpdateRule):
     def _as_kept(self, param: torch.Tensor, entry: dict) -> dict:
         """`entry` with the store's own keys read as the states they hold: an
         8-bit state's codes and scales as the state (a stand-in of its shape),
-        the compensation and the rounding's count left out."""
+        the compensation and the rounding's count left out (a state dict
+        saved with other settings may hold them: they are no state of the
+        optimizer's)."""
         kept = {}
         dtype = update_dtype(_local(param), self._kahan)
         for key, value in entry.items():
             if key == ROUNDING_STEP or (key == COMPENSATION and kahan_applies(_local(param), self._kahan)):
                 continue
             state = _state_name(key)
-            if state != key and state + CODES in entry and state + ABSMAX in entry:
+            if self._compact is not None and state != key and state + CODES in entry and state + ABSMAX in entry:
                 if key.endswith(CODES):
                     kept[state] = torch.empty(value.shape, dtype=dtype, device="meta")
                 continue
@@ -285,13 +287,16 @@ class VouchedForRule(TorchUpdateRule):
 
     def _stored_layout(self, index: int, param: torch.Tensor, learned: tuple[_Kept, ...],
                        from_update: bool) -> tuple[_Kept, ...]:
-        """The store's layout of a param whose optimizer keeps `learned`: with
-        compact states or Kahan, each param-shaped float state in the dtype
-        the update runs the param in (float32 under Kahan), compact in the
-        form its kind (trusted_state_kinds) gives it; the rounding's own count
-        beside bf16 ones, a compensation with Kahan. The states in name order
-        (a compact state's place keys its rounding: it must not depend on the
-        order a state dict lists them in)."""
+        """The store's layout of a param whose optimizer keeps `learned`: a
+        param-shaped float state compact in the form its kind
+        (trusted_state_kinds) gives it, decoded for the update in the dtype
+        the update runs the param in; with Kahan every param-shaped float
+        state in float32 (the stand-in's dtype, as the declared optimizers
+        keep them); the rounding's own count beside bf16 ones, a compensation
+        with Kahan. An exact state without Kahan stays in the dtype the
+        optimizer keeps it in. The states in name order (a compact state's
+        place keys its rounding: it must not depend on the order a state dict
+        lists them in)."""
         if not self._stores_apart(param):
             return learned
         name = type(self.optimizer).__name__
@@ -307,10 +312,6 @@ class VouchedForRule(TorchUpdateRule):
             if kept.kind != ELEMENT or not kept.dtype.is_floating_point:
                 specs.append(kept)
                 continue
-            if from_update and kept.dtype != dtype:
-                raise TypeError(f"{where} is {kept.dtype}, but its update ran the param in {dtype}: compact states "
-                                "and Kahan store param-shaped states in that dtype, which would change this "
-                                "optimizer's update. Leave state_dtype and kahan_summation off for it")
             code = None
             if self._compact is not None:
                 if kept.name not in self._kinds:
@@ -320,6 +321,16 @@ class VouchedForRule(TorchUpdateRule):
                                      "(docs/usage.md, 'Compact states'), or None to keep it exact")
                 code = self._kinds[kept.name]
             form = form_for(self._compact, code, param, dtype)
+            if form is None and not kahan:  # exact, as the optimizer keeps it
+                specs.append(kept)
+                continue
+            if from_update and kept.dtype != dtype:
+                raise TypeError(f"{where} is {kept.dtype}, but its update ran the param in {dtype}: "
+                                + ("Kahan keeps param-shaped states in float32" if kahan else
+                                   "a compact state is decoded for the update in that dtype")
+                                + ", which would change this optimizer's update. Leave "
+                                + ("kahan_summation off" if kahan else "that state exact (None in trusted_state_kinds)")
+                                + " for it")
             specs.append(kept._replace(dtype=dtype, form=form, code=code if form else None))
         if any(spec.form == BF16 for spec in specs):
             specs.append(_Kept(ROUNDING_STEP, SCALAR, None))
@@ -327,14 +338,15 @@ class VouchedForRule(TorchUpdateRule):
             specs.append(_Kept(COMPENSATION, ELEMENT, None, dtype=shard.dtype))
         return tuple(specs)
 
-    def _load_forms(self, param: torch.Tensor, layout: tuple, kept: dict) -> tuple[dict, bool]:
-        """The forms a loaded entry's states take here, by their kinds (a
-        param that has not stepped yet has no layout to ask)."""
+    def _load_forms(self, param: torch.Tensor, layout: tuple, kept: dict) -> tuple[dict, dict, bool]:
+        """The forms and kinds a loaded entry's states take here, by
+        trusted_state_kinds (a param that has not stepped yet has no layout
+        to ask)."""
         shard = _local(param)
         dtype = update_dtype(shard, self._kahan)
-        forms = {name: form_for(self._compact, self._kinds.get(name), param, dtype)
-                 for name in {_state_name(key) for key in kept}}
-        return forms, kahan_applies(shard, self._kahan)
+        names = {_state_name(key) for key in kept}
+        forms = {name: form_for(self._compact, self._kinds.get(name), param, dtype) for name in names}
+        return forms, {name: self._kinds.get(name) for name in names}, kahan_applies(shard, self._kahan)
 
     def _step_writes(self, opt) -> _GroupWrites:
         self._writes = _GroupWrites(type(self.optimizer).__name__, list(opt.param_groups), self._step_groups)
@@ -446,7 +458,9 @@ class VouchedForRule(TorchUpdateRule):
                 self._lay_out(opt, {**self._kept_state(opt), **entries})
         except BaseException:
             for piece, backup in backups:
-                piece.copy_(backup)
+                # (through .data: a version bump would read as a write outside
+                # step(), which zeroes a Kahan compensation at the next step)
+                piece.data.copy_(backup)
             raise
         self._stateless.update(stateless)
         self._not_updated -= {id(params[i]) for i in first}

@@ -40,6 +40,16 @@ def make_lion(params):
     return Lion(params, lr=1e-2, betas=(0.8, 0.9))
 
 
+# Params whose compact states are cut too (a piece holds at least 64 KiB of
+# state): the case table's first param is too small for that under 8-bit.
+LARGE = [(512, 256), (16384,), (24, 20), (5,)]
+
+
+def large_params(dtype):
+    generator = torch.Generator().manual_seed(1)
+    return [nn.Parameter(torch.randn(*shape, generator=generator).to(dtype)) for shape in LARGE]
+
+
 def run(mode, steps, first_step=0, params=None, **settings):
     fields, dtype = MODES[mode]
     params = CASE.params(dtype)() if params is None else params
@@ -68,8 +78,10 @@ def test_bitwise_across_swap_times_arenas_and_cuts(mode):
     """Whole params (swap_times=1) and params cut across 8 batches in 3
     arenas: params and every state bitwise; the compact states stored as
     the mode says."""
-    whole = run(mode, 4, swap_times=1)
-    cut = run(mode, 4, swap_times=8, num_arenas=3)
+    dtype = MODES[mode][1]
+    whole = run(mode, 4, params=large_params(dtype), swap_times=1)
+    cut = run(mode, 4, params=large_params(dtype), swap_times=8, num_arenas=3)
+    assert cut[1].memory_stats()["split_params"] >= 1
     assert_runs_bitwise(cut, whole, mode)
     params, optimizer = cut
     entry = optimizer.state[params[0]]  # (128, 256): compact in every mode
@@ -360,3 +372,122 @@ def test_a_state_written_in_the_plain_form_is_encoded():
     optimizer.step()
     plain.step()
     assert same_bits(params[0], reference)
+
+
+class FailsOnce(Lion):
+    """Lion whose update of its second param raises once (as an out-of-memory
+    error would), the first time `armed` is set."""
+
+    armed = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if FailsOnce.armed and p.grad is not None and p.numel() == 16384:
+                    FailsOnce.armed = False
+                    raise torch.OutOfMemoryError("simulated")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("mode", ["kahan", "kahan-bf16", "8bit"])
+def test_a_failed_first_update_after_a_load_loses_nothing(mode):
+    """The first step after load_state_dict updates each param whole (it
+    learns the loaded states); one that fails there gives every param back,
+    and its compensation and states stay as loaded: the retried step goes on
+    bitwise as the run that was saved (a restore that bumped the params'
+    versions read as a write outside step(), which zeroes a compensation)."""
+    fields, dtype = MODES[mode]
+    params, optimizer = run(mode, 2, swap_times=4)
+    saved = copy.deepcopy(optimizer.state_dict())
+    copies = [nn.Parameter(p.detach().clone()) for p in params]
+    give_grads(2, params)
+    optimizer.step()
+    resumed = so.SwapOptimizer(FailsOnce(copies, lr=1e-2, betas=(0.8, 0.9)), **dict(TRUST, **fields), swap_times=4)
+    resumed.load_state_dict(saved)
+    before = [p.detach().clone() for p in copies]
+    give_grads(2, copies)
+    FailsOnce.armed = True
+    with pytest.raises(RuntimeError, match="simulated"):
+        resumed.step()
+    assert all(same_bits(p, q) for p, q in zip(copies, before))
+    resumed.step()
+    assert_runs_bitwise((copies, resumed), (params, optimizer), f"{mode} retried")
+
+
+class ExtraStateForLargeParams(Lion):
+    """Lion that keeps one more state for params of 4,096 elements or more:
+    the probe, on the smallest param of each dimensionality, does not see it."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.numel() >= 4096:
+                    self.state[p]["seen"] = torch.ones_like(p)
+
+
+def test_a_state_not_named_found_at_a_first_update_changes_nothing():
+    """Under 8-bit states, a param-shaped state trusted_state_kinds does not
+    name that only larger params keep: the probe passes, the first update of
+    such a param refuses, and every param updated before it gets its value
+    back; no state is kept."""
+    params = [nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+    params.append(nn.Parameter(torch.randn(8, 8)))  # the 2-D param the probe takes
+    before = [p.detach().clone() for p in params]
+    optimizer = so.SwapOptimizer(ExtraStateForLargeParams(params), **dict(TRUST, state_dtype=torch.uint8))
+    give_grads(0, params)
+    with pytest.raises(ValueError, match="state 'seen' of param 0 is param-shaped, and trusted_state_kinds"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before)) and not optimizer.state
+
+
+def test_a_checkpoint_saved_under_other_kinds_is_decoded_by_its_own_map():
+    """8-bit codes saved under one kind ('running_max', the unsigned map) and
+    loaded where trusted_state_kinds says another ('signed'): decoded by the
+    map they were saved with (the state dict names it), then encoded by this
+    store's, never read by the wrong map."""
+    params, optimizer = run("8bit", 2, trusted_state_kinds={"exp_avg": "running_max"})
+    saved = optimizer.state_dict()
+    assert saved["param_groups"][0]["swap_state_format"]["states"]["exp_avg"]["code_map"] == "unsigned"
+    values = compact.dequantize(saved["state"][0]["exp_avg_codes"], saved["state"][0]["exp_avg_absmax"],
+                                "exp_avg", "unsigned")
+    copies = [nn.Parameter(p.detach().clone()) for p in params]
+    loaded = so.SwapOptimizer(make_lion(copies), **dict(TRUST, **MODES["8bit"][0]))
+    loaded.load_state_dict(saved)
+    codes, absmax = compact.quantize(values, "exp_avg")
+    assert torch.equal(loaded.state[copies[0]]["exp_avg_codes"], codes)
+    assert torch.equal(loaded.state[copies[0]]["exp_avg_absmax"], absmax)
+
+
+def test_a_bf16_checkpoint_loads_into_kahan_on_fp32_params_without_its_rounding_count():
+    """The rounding's own count (swap_rounding_step) of a bf16-state
+    checkpoint is no state of the optimizer's: a store that keeps none
+    (Kahan, which does nothing on fp32 params) drops it."""
+    params, optimizer = run("bf16", 2)
+    saved = optimizer.state_dict()
+    assert "swap_rounding_step" in saved["state"][0]
+    copies = [nn.Parameter(p.detach().clone()) for p in params]
+    with pytest.warns(UserWarning, match="applies to 16-bit params"):
+        loaded = so.SwapOptimizer(make_lion(copies), **dict(TRUST, kahan_summation=True))
+    loaded.load_state_dict(saved)
+    assert all(set(entry) == {"exp_avg"} for entry in loaded.state_dict()["state"].values())
+
+
+def test_a_state_kept_exact_stays_in_the_dtype_the_optimizer_keeps():
+    """Under a compact state_dtype, a state named None in trusted_state_kinds
+    is exact: HalfStateLion's bf16 state beside fp32 params stays bf16, and
+    the run is bitwise the plain HalfStateLion's."""
+    plain_params, params = CASE.params()(), CASE.params()()
+    plain = HalfStateLion(plain_params, lr=1e-2)
+    with pytest.warns(UserWarning, match="names no state that is stored compact"):
+        optimizer = so.SwapOptimizer(HalfStateLion(params, lr=1e-2), **dict(
+            TRUST, trusted_state_kinds={"exp_avg": None}), state_dtype=torch.uint8, swap_times=4)
+    for step in range(3):
+        give_grads(step, plain_params, params)
+        plain.step()
+        optimizer.step()
+    for p, q in zip(params, plain_params):
+        assert same_bits(p, q)
+        assert same_bits(optimizer.state[p]["exp_avg"], plain.state[q]["exp_avg"])
