@@ -401,9 +401,9 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
         # (piece + compensation) and its float32 states; kahan_round splits it back.
         kahan = any(spec.name == COMPENSATION for spec in step.layouts[index])
         if kahan:
-            updated = kahan_stand_in(piece, piece_grad, views[COMPENSATION] if step.had_state[index] else None)
+            target = kahan_stand_in(piece, piece_grad, views[COMPENSATION] if step.had_state[index] else None)
         else:
-            updated = piece
+            target = piece
             piece.grad = piece_grad
         entry = {}
         if step.had_state[index]:
@@ -415,13 +415,13 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
                 elif kept.form is not None:  # decoded below, one call per batch
                     if codec is None:
                         codec = BatchCodec(arena.device, step.rounding_seed)
-                    entry[kept.name] = codec.scratch(kept.form, kept.code, views, kept.name, updated.shape,
-                                                     updated.dtype)
+                    entry[kept.name] = codec.scratch(kept.form, kept.code, views, kept.name, target.shape,
+                                                     target.dtype)
                 elif kept.name != COMPENSATION:
                     entry[kept.name] = views[kept.name]
-        groups.setdefault(step.group_of[index], []).append(updated)
-        state[updated] = entry
-        rows.append((index, offset, offset + count == param.numel(), updated, views, piece if kahan else None))
+        groups.setdefault(step.group_of[index], []).append(target)
+        state[target] = entry
+        rows.append((index, offset, offset + count == param.numel(), target, views, piece if kahan else None))
     if not rows:
         return
     if codec is not None:
@@ -438,8 +438,9 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
                          grad_scale=step.grad_scale)
     name = type(step.optimizer).__name__
     source = "it kept at its first update" if writes is not None else "its declaration says it keeps"
-    for index, offset, last, piece, views, kahan_piece in rows:
-        entry = state[piece]
+    # (target: what torch's update ran on; rounded_piece: under Kahan, the piece it is rounded into)
+    for index, offset, last, target, views, rounded_piece in rows:
+        entry = state[target]
         kept = {spec.name for spec in step.layouts[index] if spec.name not in (ROUNDING_STEP, COMPENSATION)}
         # (a vouched-for param that kept nothing at its first update must keep nothing still)
         if (step.had_state[index] or writes is not None) and set(entry) != kept:
@@ -461,15 +462,15 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
                     views[spec.name].copy_(value)
                 continue
             if codec is None:
-                codec = BatchCodec(piece.device, step.rounding_seed)
+                codec = BatchCodec(target.device, step.rounding_seed)
             if spec.form == BF16 and rounding_step is None:
                 rounding_step = _rounding_step(step, index, entry)
             codec.write_back(spec.form, spec.code, views, spec.name, value, index, compact_index,
                              (step.global_offsets[index] if step.global_offsets else 0) + offset,
                              rounding_step or 0)
             compact_index += 1
-        if kahan_piece is not None:
-            kahan_round(piece, kahan_piece, views[COMPENSATION])
+        if rounded_piece is not None:
+            kahan_round(target, rounded_piece, views[COMPENSATION])
         if last:  # the param's scalars after the step: in place, as torch keeps them (identity included)
             for spec in step.layouts[index]:
                 if spec.kind != SCALAR:
