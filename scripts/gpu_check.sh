@@ -329,6 +329,10 @@ PARITY_TESTS=(
   "tests/rules/test_trusted_optimizers.py::test_a_hand_written_lion_is_bitwise_the_plain_one[True-cuda]"
   "tests/rules/test_trusted_optimizers.py::test_learned_states_of_every_kind[dtype1-cuda]"
   "tests/rules/test_trusted_optimizers.py::test_a_device_budget_keeps_part_of_a_vouched_for_optimizers_state_resident[cuda]"
+  # its compact states and Kahan: bitwise across cuts, each step the plain update from the decoded state, a resume
+  "tests/rules/test_trusted_compact.py::test_bitwise_across_swap_times_arenas_and_cuts[8bit-cuda]"
+  "tests/rules/test_trusted_compact.py::test_each_step_is_the_plain_update_from_the_decoded_state[bf16-cuda]"
+  "tests/rules/test_trusted_compact.py::test_a_state_dict_resumes_bitwise[kahan-bf16-cuda]"
   # compact states: bf16 moments, 8-bit, Kahan, the kernels against the CPU's bit for bit
   "tests/rules/test_compact_states.py::test_8bit_kernel_encoding_equals_reference_bitwise[cuda]"
   "tests/rules/test_compact_states.py::test_modes_bitwise_across_swap_times_arenas_and_splits[fp32 params, bf16 moments-cuda]"

@@ -18,6 +18,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import swap_optimizer as so
+from conftest import DEVICES
 from optimizer_cases import BY_NAME, Lion
 from pairs import give_grads, same_bits
 from test_optimizer_capabilities import mesh  # noqa: F401  (a fixture: a one-rank process group)
@@ -45,14 +46,14 @@ def make_lion(params):
 LARGE = [(512, 256), (16384,), (24, 20), (5,)]
 
 
-def large_params(dtype):
+def large_params(dtype, device="cpu"):
     generator = torch.Generator().manual_seed(1)
-    return [nn.Parameter(torch.randn(*shape, generator=generator).to(dtype)) for shape in LARGE]
+    return [nn.Parameter(torch.randn(*shape, generator=generator).to(device, dtype)) for shape in LARGE]
 
 
-def run(mode, steps, first_step=0, params=None, **settings):
+def run(mode, steps, first_step=0, params=None, device="cpu", **settings):
     fields, dtype = MODES[mode]
-    params = CASE.params(dtype)() if params is None else params
+    params = CASE.params(dtype, device)() if params is None else params
     optimizer = so.SwapOptimizer(make_lion(params), **dict(TRUST, **fields, **settings))
     for step in range(first_step, first_step + steps):
         give_grads(step, params)
@@ -73,14 +74,15 @@ def assert_runs_bitwise(first, second, what):
                          msg=lambda m: f"{what}: state {index}/{key}: {m}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", MODES)
-def test_bitwise_across_swap_times_arenas_and_cuts(mode):
+def test_bitwise_across_swap_times_arenas_and_cuts(mode, device):
     """Whole params (swap_times=1) and params cut across 8 batches in 3
     arenas: params and every state bitwise; the compact states stored as
     the mode says."""
     dtype = MODES[mode][1]
-    whole = run(mode, 4, params=large_params(dtype), swap_times=1)
-    cut = run(mode, 4, params=large_params(dtype), swap_times=8, num_arenas=3)
+    whole = run(mode, 4, params=large_params(dtype, device), swap_times=1)
+    cut = run(mode, 4, params=large_params(dtype, device), swap_times=8, num_arenas=3)
     assert cut[1].memory_stats()["split_params"] >= 1
     assert_runs_bitwise(cut, whole, mode)
     params, optimizer = cut
@@ -136,15 +138,16 @@ def test_overlap_forward_is_bitwise_the_run_without(mode):
     assert_runs_bitwise(runs[1][1], runs[0][1], f"{mode} overlap")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["bf16", "8bit"])
-def test_each_step_is_the_plain_update_from_the_decoded_state(mode):
+def test_each_step_is_the_plain_update_from_the_decoded_state(mode, device):
     """Step 1 (whole, learning) and step 2 (batch by batch): the params are
     the plain Lion's update from the state as stored before the step,
     decoded; 8-bit codes are compact.quantize's of the plain update's state
     (the signed map: trusted_state_kinds' 'signed'), bf16 states are within
     a bf16 rounding of it (an ulp: at most 2**-7 of the value)."""
     fields, dtype = MODES[mode]
-    params = CASE.params(dtype)()
+    params = CASE.params(dtype, device)()
     optimizer = so.SwapOptimizer(make_lion(params), **dict(TRUST, **fields), swap_times=4)
     decoded = [None] * len(params)  # the state as stored, decoded (None: none yet)
     for step in range(2):
@@ -160,29 +163,30 @@ def test_each_step_is_the_plain_update_from_the_decoded_state(mode):
             assert same_bits(p, q), f"{mode} step {step}: param {i}"
             entry, exact = optimizer.state[p], plain.state[q]["exp_avg"]
             if mode == "8bit" and p.numel() >= compact.MIN_QUANTIZED_NUMEL:
-                codes, absmax = compact.quantize(exact, "exp_avg")
+                codes, absmax = compact.quantize(exact, "exp_avg")  # (on the CPU)
                 assert torch.equal(entry["exp_avg_codes"], codes) and torch.equal(entry["exp_avg_absmax"], absmax), \
                     f"8-bit step {step}: param {i}'s codes are not the signed map's of the plain state"
-                decoded[i] = compact.dequantize(codes, absmax, "exp_avg")
+                decoded[i] = compact.dequantize(codes, absmax, "exp_avg").to(device)
             elif mode == "8bit":  # (a small param's state stays exact)
-                assert torch.equal(entry["exp_avg"], exact)
+                assert torch.equal(entry["exp_avg"], exact.cpu())
                 decoded[i] = exact
             else:
-                stored = entry["exp_avg"]
+                stored, exact = entry["exp_avg"], exact.cpu()
                 assert stored.dtype == torch.bfloat16
                 assert ((stored.float() - exact).abs() <= (exact.abs() * 2 ** -7)).all(), \
                     f"bf16 step {step}: param {i}'s state is more than a bf16 rounding from the plain state"
-                decoded[i] = stored.float()
+                decoded[i] = stored.float().to(device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", MODES)
-def test_a_state_dict_resumes_bitwise(mode):
+def test_a_state_dict_resumes_bitwise(mode, device):
     """Saved after 3 steps and loaded into a new SwapOptimizer (another
     swap_times) on copies of the params: the next 3 steps are bitwise those
     of the run that went on (its first one runs whole, learning the loaded
     states, and decodes and encodes them as a batch would, the rounding's
     count and seed included)."""
-    params, optimizer = run(mode, 3, swap_times=4)
+    params, optimizer = run(mode, 3, device=device, swap_times=4)
     saved = copy.deepcopy(optimizer.state_dict())
     copies = [nn.Parameter(p.detach().clone()) for p in params]
     for step in range(3, 6):
@@ -220,17 +224,18 @@ def test_the_state_dict_loads_into_the_plain_lion(mode):
         assert torch.equal(state, held.to(p.dtype)), f"param {i}"
 
 
-def test_kahan_is_the_float32_update_rounded_with_its_remainder():
+@pytest.mark.parametrize("device", DEVICES)
+def test_kahan_is_the_float32_update_rounded_with_its_remainder(device):
     """Kahan on bf16 params is, bit for bit, the plain Lion stepping a float32
     copy (param + compensation) with float32 grads and states, rounded back
     to the param, the remainder kept as the bf16 compensation."""
-    params, optimizer = run("kahan", 5, swap_times=4)
-    for i, start in enumerate(CASE.params(torch.bfloat16)()):
+    params, optimizer = run("kahan", 5, device=device, swap_times=4)
+    for i, start in enumerate(CASE.params(torch.bfloat16, device)()):
         param, compensation = start.detach().clone(), torch.zeros_like(start)
         stand_in = nn.Parameter(param.float())
         plain = make_lion([stand_in])
         for step in range(5):
-            grads = CASE.params(torch.bfloat16)()
+            grads = CASE.params(torch.bfloat16, device)()
             give_grads(step, grads)  # (the same grads as the run's param i)
             with torch.no_grad():
                 stand_in.copy_(param.float() + compensation.float())
@@ -239,8 +244,8 @@ def test_kahan_is_the_float32_update_rounded_with_its_remainder():
             param = stand_in.detach().bfloat16()
             compensation = (stand_in.detach() - param.float()).bfloat16()
         assert same_bits(params[i], param), f"param {i}"
-        assert same_bits(optimizer.state[params[i]]["compensation"], compensation), f"compensation {i}"
-        assert same_bits(optimizer.state[params[i]]["exp_avg"], plain.state[stand_in]["exp_avg"]), f"state {i}"
+        assert same_bits(optimizer.state[params[i]]["compensation"], compensation.cpu()), f"compensation {i}"
+        assert same_bits(optimizer.state[params[i]]["exp_avg"], plain.state[stand_in]["exp_avg"].cpu()), f"state {i}"
 
 
 class HalfStateLion(Lion):
