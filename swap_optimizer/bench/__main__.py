@@ -13,6 +13,7 @@ import torch
 
 from .. import built_with_cuda
 from ..devices import resolve_device
+from . import host_overhead
 from .model import PRESETS, GPTConfig
 from .report import Progress, overlap_check_costs, table, write_json, write_plot, write_timeline
 from .runner import OPTIMIZERS, STATE_MODES, make_modes, measure_bandwidth, run_mode, torchao_offload_class
@@ -60,6 +61,16 @@ def _state_modes(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated state modes from {', '.join(STATE_MODES)}, "
                                          f"got {text!r}")
     return values
+
+
+def _names(known: dict):
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(";") if v.strip()]
+        unknown = [v for v in values if v not in known]
+        if not values or unknown:
+            raise argparse.ArgumentTypeError(f"expected ';'-separated names from {'; '.join(known)}, got {text!r}")
+        return values
+    return parse
 
 
 def _shares(text: str) -> list[float]:
@@ -114,6 +125,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", metavar="PATH.png",
                    help="with --overlap: plot the first overlapped mode's step and next forward (per batch: copy "
                         "in, update, copy out; per block: forward)")
+    p.add_argument("--host-overhead", action="store_true",
+                   help="instead of the memory benchmark: the host's cost around the update and the forward, on tiny "
+                        "tensors: step() of each optimizer path against the wrapped optimizer alone, and "
+                        "overlap_forward's checks against the plain forward (ratios side by side, --rounds rounds of "
+                        "--repeats steps each)")
+    p.add_argument("--rounds", type=_positive_int, default=5,
+                   help="with --host-overhead: measured rounds (min and median over them; default 5)")
+    p.add_argument("--paths", type=_names(host_overhead.OPTIMIZER_PATHS), default=list(host_overhead.OPTIMIZER_PATHS),
+                   metavar="NAME;NAME", help="with --host-overhead: the optimizer paths, ';'-separated (default: all)")
+    p.add_argument("--shape-sets", type=_names(host_overhead.SHAPE_SETS), default=list(host_overhead.SHAPE_SETS),
+                   metavar="NAME;NAME", help="with --host-overhead: the shape sets, ';'-separated (default: all)")
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot peak memory against step time")
     return p
@@ -173,16 +195,34 @@ def needed_bytes(config: GPTConfig, dtype: torch.dtype, batch_size: int) -> int:
     return params * per_param + activations
 
 
-def environment(device: torch.device, bandwidth) -> dict:
+def environment(device: torch.device, bandwidth=None) -> dict:
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
            "device": str(device), "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-           "built_with_cuda": built_with_cuda(),
-           "bandwidth_bytes_per_s": {"host_to_device": bandwidth.host_to_device,
-                                     "device_to_host": bandwidth.device_to_host,
-                                     "both_directions": bandwidth.both_directions}}
+           "threads": torch.get_num_threads(), "built_with_cuda": built_with_cuda()}
+    if bandwidth is not None:
+        env["bandwidth_bytes_per_s"] = {"host_to_device": bandwidth.host_to_device,
+                                        "device_to_host": bandwidth.device_to_host,
+                                        "both_directions": bandwidth.both_directions}
     if device.type == "cuda":
         env["device_name"] = torch.cuda.get_device_name(device)
     return env
+
+
+def host_overhead_main(args, device: torch.device) -> int:
+    """--host-overhead: the tables, and the JSON with the environment."""
+    print(f"swap_optimizer host overhead on {device}: {args.rounds} rounds of {args.repeats} steps (one warm-up "
+          "round first); ratios side by side in this process", flush=True)
+    report = host_overhead.run(device, args.rounds, args.repeats, args.paths, args.shape_sets,
+                               progress=lambda line: print(f"  {line}", flush=True))
+    print("\nstep(): SwapOptimizer (swap_times 16, every param swapped) against the wrapped optimizer alone, ms a "
+          "step; the extra time split into per batch (against swap_times 4) and per param (the rest)")
+    print(host_overhead.step_table(report["step"]))
+    print("\noverlap_forward: the tiny-op model's forward (no grad) against the same forward without the hooks")
+    print(host_overhead.forward_table(report["forward"]))
+    if args.json:
+        write_json(args.json, {"environment": environment(device), **report})
+        print(f"wrote {args.json}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -198,6 +238,8 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the timers' events and streams are the current device's
     check_arguments(p, args)
+    if args.host_overhead:
+        return host_overhead_main(args, device)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: pip install matplotlib")
     if args.timeline and importlib.util.find_spec("matplotlib") is None:

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from swap_optimizer.bench import runner
+from swap_optimizer.bench import host_overhead, runner
 from swap_optimizer.bench.__main__ import main
 from conftest import ROOT
 
@@ -77,6 +77,9 @@ def test_bf16_runs_with_and_without_master_weights(tmp_path):
     (["--resident-shares", "0,1.5"], r"fractions in \[0, 1\]"),
     (["--resident-shares", "half"], r"fractions in \[0, 1\]"),
     (["--resident-shares", "0.5,0.5"], "each share once"),
+    (["--host-overhead", "--paths", "SGD;Adam"], "expected ';'-separated names from AdamW fused"),
+    (["--host-overhead", "--shape-sets", "gpt2"], "expected ';'-separated names from 1000 x 64"),
+    (["--host-overhead", "--rounds", "0"], "positive integer"),
 ])
 def test_argument_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -263,3 +266,24 @@ def test_resident_share_sweep_moves_less_as_the_share_rises(tmp_path, monkeypatc
     assert 0 <= final["h2d_bytes"] == final["d2h_bytes"] == final["host_bytes"] <= final["step_table_bytes"]
     out = capsys.readouterr().out
     assert "| swap s8 a2 share 0.5 |" in out and "predicted step() ms" in out and "step() vs resident" in out
+
+
+def test_host_overhead_reports_each_path_and_situation(tmp_path, capsys):
+    """--host-overhead: a row per (shape set, optimizer path) and per forward
+    situation, with plain and SwapOptimizer times side by side, their ratio and
+    the extra time split per batch and per param; the tables and the JSON."""
+    report = tmp_path / "host.json"
+    paths = ["SGD momentum foreach", "Lion (vouched for, learned)"]
+    assert main(["--host-overhead", "--device", "cpu", "--quick", "--rounds", "2", "--repeats", "2",
+                 "--paths", ";".join(paths), "--shape-sets", "1000 x 64", "--json", str(report)]) == 0
+    data = json.loads(report.read_text())
+    assert [row["path"] for row in data["step"]] == paths
+    for row in data["step"]:
+        assert row["shapes"] == "1000 x 64" and row["params"] == 1000 and row["batches"] == 16
+        assert row["plain_ms"]["min"] <= row["plain_ms"]["median"]
+        assert row["ratio"]["median"] > 0 and set(row) >= {"extra_us_per_param", "extra_us_per_batch"}
+    assert [row["situation"] for row in data["forward"]] == list(host_overhead.SITUATIONS)
+    assert all(row["plain_ms"]["median"] > 0 and row["ratio"]["median"] > 0 for row in data["forward"])
+    assert data["rounds"] == 2 and data["environment"]["device"] == "cpu"
+    out = capsys.readouterr().out
+    assert "| 1000 x 64 | SGD momentum foreach | 16 |" in out and "| pending, another model |" in out
