@@ -13,7 +13,7 @@ in the same process, round by round, with the min and median over rounds.
   (1000 params of 64 elements; GPT-2 124M's 148 tensors shrunk, counts kept):
   ms a step at swap_times 16, the ratio, and the extra time split into
   microseconds per batch (from a second run at swap_times 4) and per param
-  (the rest).
+  (the rest), from each run's fastest round.
 - overlap_forward: a model of tiny ops (24 x LayerNorm, Linear(64), GELU), its
   forward (no grad) with the hooks idle and with a pass pending (the step done,
   so every wait finds its batch ready and only the checks cost): the model's
@@ -137,16 +137,17 @@ def measure_step(path: str, shapes: list[tuple[int, ...]], device: torch.device,
             for name, microseconds in measured.items():
                 times[name].append(microseconds)
     batches, coarser_batches = (o.memory_stats()["batches"] for o in (swapped, coarser))
-    # Per round: the extra time a step, split into a cost per batch (from the
-    # two batch counts) and the rest per param.
-    per_batch = [(b - c) / (batches - coarser_batches) if batches != coarser_batches else 0.0
-                 for b, c in zip(times["swapped"], times["coarser"])]
-    per_param = [(b - a - batches * k) / len(shapes) for a, b, k in zip(times["plain"], times["swapped"], per_batch)]
+    # The extra time a step, split into a cost per batch (from the two batch
+    # counts) and the rest per param, from each run's fastest round (the one
+    # least disturbed by anything else on the machine).
+    plain_us, swapped_us, coarser_us = (min(times[name]) for name in ("plain", "swapped", "coarser"))
+    per_batch = (swapped_us - coarser_us) / (batches - coarser_batches) if batches != coarser_batches else 0.0
     return {"path": path, "params": len(shapes), "batches": batches,
             "plain_ms": _summary([t / 1e3 for t in times["plain"]]),
             "swapped_ms": _summary([t / 1e3 for t in times["swapped"]]),
             "ratio": _summary([b / a for a, b in zip(times["plain"], times["swapped"])]),
-            "extra_us_per_param": statistics.median(per_param), "extra_us_per_batch": statistics.median(per_batch)}
+            "extra_us_per_param": (swapped_us - plain_us - batches * per_batch) / len(shapes),
+            "extra_us_per_batch": per_batch}
 
 
 class TinyOpBlock(nn.Module):
@@ -237,17 +238,24 @@ def measure_forward(device: torch.device, rounds: int, repeats: int) -> list[dic
 
 def run(device: torch.device, rounds: int, steps: int, paths: list[str], shape_sets: list[str],
         progress: Callable[[str], None] = lambda line: None) -> dict:
-    """Every measurement: {"step": rows, "forward": rows}."""
-    step_rows = []
-    for shape_set in shape_sets:
-        shapes = SHAPE_SETS[shape_set]()
-        for path in paths:
-            progress(f"step(): {path}, {shape_set}")
-            step_rows.append(dict(measure_step(path, shapes, device, rounds, steps), shapes=shape_set))
-    progress("overlap_forward: the tiny-op model")
-    forward_rows = measure_forward(device, rounds, repeats=steps)
+    """Every measurement: {"step": rows, "forward": rows}, on one CPU thread
+    (torch's intra-op threads on tiny tensors add their own noise; the host
+    backend's copy and update threads still run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step_rows = []
+        for shape_set in shape_sets:
+            shapes = SHAPE_SETS[shape_set]()
+            for path in paths:
+                progress(f"step(): {path}, {shape_set}")
+                step_rows.append(dict(measure_step(path, shapes, device, rounds, steps), shapes=shape_set))
+        progress("overlap_forward: the tiny-op model")
+        forward_rows = measure_forward(device, rounds, repeats=steps)
+    finally:
+        torch.set_num_threads(threads)
     return {"step": step_rows, "forward": forward_rows, "rounds": rounds, "steps_per_round": steps,
-            "swap_times": SWAP_TIMES}
+            "swap_times": SWAP_TIMES, "torch_threads": 1}
 
 
 def step_table(rows: list[dict]) -> str:
