@@ -232,12 +232,17 @@ runtime::BatchUpdate python_batch_update(py::function update) {
     delete function;
   });
   return [held](int64_t batch, const at::Tensor& arena, const std::vector<at::Tensor>& params,
-                const std::vector<at::Tensor>& grads) {
+                const std::vector<at::Tensor>& grads, const std::vector<runtime::RowViews>& views) {
     py::gil_scoped_acquire gil;
-    py::list grad_list;
+    py::list grad_list, view_list;
     for (const at::Tensor& grad : grads) grad_list.append(grad.defined() ? py::cast(grad) : py::none());
+    for (const runtime::RowViews& row : views) {
+      py::dict row_views;
+      for (const auto& [key, view] : row) row_views[py::str(key)] = view;
+      view_list.append(std::move(row_views));
+    }
     try {
-      (*held)(batch, arena, params, grad_list);
+      (*held)(batch, arena, params, grad_list, view_list);
     } catch (py::error_already_set& error) {
       const std::string what = error.what();
       TORCH_CHECK(false, "SwapOptimizer: the update of batch ", batch, " failed: ", what);
@@ -370,7 +375,8 @@ void bind_runtime(py::module& module) {
            py::kw_only(), py::arg("swap_times"), py::arg("num_arenas"), py::arg("pin_memory"),
            py::arg("keep_arenas"), py::arg("swap_keys"), py::arg("resident_groups") = std::vector<int64_t>{},
            "Another optimizer's states: per param, one (name, kind, unit bytes, dtype, shape) per state key, "
-           "and update(batch, arena, params, grads) runs each batch's update.")
+           "and update(batch, arena, params, grads, views) runs each batch's update (views: per row, its states' "
+           "views in the arena by store key; none for a row without a grad).")
       .def("state_views",
            [](const SwapRuntime& self, int64_t param) {
              py::dict views;

@@ -177,8 +177,9 @@ void SwapRuntime::Step::update_rows(int64_t position, int64_t batch, const at::T
     }
     // Not atomic like the fused op: if it throws, any of its rows may be
     // partly written (tear_report then marks them all torn).
+    const std::vector<RowViews> views = runtime_.arena_views(batch, arena, has_grad_);
     inside_rule_ = position;
-    runtime_.batch_update_(batch, arena, params, grads);
+    runtime_.batch_update_(batch, arena, params, grads, views);
     inside_rule_ = -1;
     progress_.second = count;
     return;

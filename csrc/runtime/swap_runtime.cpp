@@ -256,6 +256,50 @@ at::Tensor SwapRuntime::arena_for(int64_t batch, int slot) const {
   return arenas_[slot].narrow(0, 0, batch_layout.arena_bytes);
 }
 
+std::vector<RowViews> SwapRuntime::arena_views(int64_t batch, const at::Tensor& arena,
+                                               const std::vector<bool>& has_grad) const {
+  const BatchLayout& batch_layout = layout_.batches[batch];
+  // One alias of the arena per dtype: each view is a window of it (as_strided
+  // checks the window against the arena's storage).
+  std::vector<std::pair<c10::ScalarType, at::Tensor>> typed_arenas;
+  auto typed_arena = [&](c10::ScalarType dtype) -> at::Tensor {
+    for (const auto& [typed_dtype, typed] : typed_arenas) {
+      if (typed_dtype == dtype) return typed;
+    }
+    const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
+    TORCH_INTERNAL_ASSERT(arena.storage_offset() % element == 0, "SwapRuntime: a misaligned arena");
+    at::Tensor typed = at::empty({0}, arena.options().dtype(dtype));
+    typed.set_(arena.storage(), arena.storage_offset() / element, {arena.numel() / element}, {1});
+    typed_arenas.emplace_back(dtype, typed);
+    return typed;
+  };
+  std::vector<RowViews> views(batch_layout.rows.size());
+  for (size_t r = 0; r < batch_layout.rows.size(); ++r) {
+    const PieceRow& row = batch_layout.rows[r];
+    if (!has_grad[row.slot]) continue;
+    const SlotSpec& spec = specs_[row.slot];
+    const bool whole = row.element_offset == 0 && row.count == spec.numel;
+    for (int key = 0; key < static_cast<int>(row.arena_offset.size()); ++key) {
+      const int64_t offset = row.arena_offset[key];
+      if (offset == kNoOffset) continue;
+      const StateDescription& description = descriptions_[row.slot][key];
+      const StateLayout& state = spec.states[key];
+      std::vector<int64_t> shape = description.shape;
+      if (!whole) {  // a piece: its elements, or the blocks they start (cuts fall on whole blocks)
+        shape = {state.kind == StateKind::kPerBlock ? (row.count + state.block_elements - 1) / state.block_elements
+                                                    : row.count};
+      }
+      std::vector<int64_t> strides(shape.size(), 1);
+      for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
+      const int64_t element = static_cast<int64_t>(c10::elementSize(description.dtype));
+      TORCH_INTERNAL_ASSERT(offset % element == 0, "SwapRuntime: a misaligned state in the arena");
+      const at::Tensor typed = typed_arena(description.dtype);
+      views[r].emplace_back(description.name, typed.as_strided(shape, strides, typed.storage_offset() + offset / element));
+    }
+  }
+  return views;
+}
+
 std::vector<int64_t> SwapRuntime::torn_params() const {
   const std::lock_guard<std::mutex> lock(step_mutex_);
   return torn_;

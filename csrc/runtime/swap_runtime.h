@@ -58,13 +58,20 @@ struct TestHooks {
   int64_t compute_delay_us = 0;  // the compute queue waits up to this long before each update
 };
 
+// One row's kept states in its batch's arena: (store key, view) per key the
+// row keeps, in key order; a whole param's views have its states' shapes, a
+// piece's are flat (count elements, or its blocks for a per-block key).
+using RowViews = std::vector<std::pair<std::string, at::Tensor>>;
+
 // A batch's update by a rule other than the fused Adam op (torch's own update
 // of another optimizer): called once per batch with the compute queue current,
 // under no_grad, with the batch's index in the layout, its arena (every kept
-// state of its rows at the rows' arena offsets) and, per row, the param and
-// its grad (undefined: none this step). It may throw to fail the batch.
+// state of its rows at the rows' arena offsets) and, per row, the param, its
+// grad (undefined: none this step) and its views in the arena (built here in
+// one pass: on a GPU the update of a batch takes microseconds, so the host's
+// per-row work bounds the step). It may throw to fail the batch.
 using BatchUpdate = std::function<void(int64_t batch, const at::Tensor& arena, const std::vector<at::Tensor>& params,
-                                       const std::vector<at::Tensor>& grads)>;
+                                       const std::vector<at::Tensor>& grads, const std::vector<RowViews>& views)>;
 
 // Device bytes a step allocates for staging: min(num_arenas, batches) arenas of
 // the largest batch, and the device step table.
@@ -202,6 +209,9 @@ class SwapRuntime {
   [[noreturn]] void rethrow_failure(const Step& work, std::exception_ptr failure);
   void enqueue_deferred(const std::shared_ptr<Step>& work);
   at::Tensor arena_for(int64_t batch, int slot) const;
+  // Per row of `batch` with a grad (has_grad), its views in `arena` (RowViews);
+  // rows without a grad get none.
+  std::vector<RowViews> arena_views(int64_t batch, const at::Tensor& arena, const std::vector<bool>& has_grad) const;
   at::Tensor state_view(int64_t param, int key) const;
   int64_t global_offset(int64_t param) const;
   std::string tear_report(const Step& work, const std::optional<at::Tensor>& found_inf);

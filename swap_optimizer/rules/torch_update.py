@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
@@ -217,6 +218,48 @@ def _keep_scalar(scalars: dict, name: str, new: Any) -> None:
         scalars[name] = new
 
 
+class _SettingsKey:
+    """What the store's layout is made from (each group's params, with their
+    dtypes and shapes, and its settings), in a form that shows any change:
+    values of plain types by value, containers by their members, a tensor by
+    identity and version, any other object by identity. It holds the objects
+    it names, so an identity cannot be reused while it is kept."""
+
+    __slots__ = ("_tokens", "_held")
+
+    def __init__(self, param_groups: list[dict]) -> None:
+        self._held: list = []
+        self._tokens = tuple((tuple(map(id, group["params"])), tuple((p.dtype, p.shape) for p in group["params"]),
+                              tuple((key, self._token(value)) for key, value in group.items() if key != "params"))
+                             for group in param_groups)
+        self._held.extend(p for group in param_groups for p in group["params"])
+
+    _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+    def _token(self, value: Any) -> Any:
+        if type(value) in self._PLAIN:
+            return (type(value), value)
+        if torch.is_tensor(value):
+            self._held.append(value)
+            return ("tensor", id(value), value._version)
+        if type(value) in (list, tuple):
+            return (type(value), tuple(self._token(item) for item in value))
+        if type(value) is dict:
+            return ("dict", tuple((key, self._token(item)) for key, item in value.items()))
+        self._held.append(value)
+        return ("object", id(value))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _SettingsKey) and self._tokens == other._tokens
+
+
+def _holds_only(entry: dict, views: dict, scalars: dict) -> bool:
+    """Whether a param's entry in `state` holds exactly its store views and
+    its scalars, these very objects (anything else is an edit)."""
+    return len(entry) == len(views) + len(scalars) and all(map(operator.is_, map(entry.get, views), views.values())) \
+        and all(map(operator.is_, map(entry.get, scalars), scalars.values()))
+
+
 class _Kept(NamedTuple):
     """A state a param keeps: its name, kind, shape (whole states; element
     states of a learned layout), dtype (None: the param's), and for an
@@ -326,6 +369,34 @@ def _fresh(value: Any) -> Any:
     return value
 
 
+class _RowPlan(NamedTuple):
+    """What a batch's update does with a param's row, worked out once per
+    layout from its kept states (_Kept), so that a step's per-row Python is
+    a few lookups: on a GPU the update of a batch takes microseconds, and
+    the host's work around it bounds the step."""
+    numel: int                     # the param's elements (a DTensor's: this rank's)
+    kahan: bool                    # updated on a float32 stand-in, with a compensation
+    scalars_in: tuple              # scalar names handed to torch's step (its rounding count is ours)
+    exact: tuple                   # exact states: their arena views are the states torch's step reads
+    coded: tuple                   # compact states (_Kept), decoded into scratch for the step
+    stored: tuple                  # the states written back, in layout order (_Kept; no compensation)
+    kept: frozenset                # the names torch's step must leave in the entry
+    scalars_out: tuple             # the scalars kept after the step (rounding count included)
+    has_rounding_step: bool        # the layout keeps its own rounding count (ROUNDING_STEP)
+
+
+def _row_plan(specs: tuple, numel: int) -> _RowPlan:
+    scalars = tuple(spec.name for spec in specs if spec.kind == SCALAR)
+    stored = tuple(spec for spec in specs if spec.kind != SCALAR and spec.name != COMPENSATION)
+    return _RowPlan(
+        numel=numel, kahan=any(spec.name == COMPENSATION for spec in specs),
+        scalars_in=tuple(name for name in scalars if name != ROUNDING_STEP),
+        exact=tuple(spec.name for spec in stored if spec.form is None),
+        coded=tuple(spec for spec in stored if spec.form is not None),
+        stored=stored, kept=frozenset(spec.name for spec in specs if spec.name not in (ROUNDING_STEP, COMPENSATION)),
+        scalars_out=scalars, has_rounding_step=ROUNDING_STEP in scalars)
+
+
 @dataclass
 class _StepContext:
     """Everything a step's batch updates read, captured at step(): the runtime
@@ -336,17 +407,16 @@ class _StepContext:
 
     optimizer: torch.optim.Optimizer        # the wrapped one: its class's step, its attributes
     batch_layout: list[dict]                # the runtime's, per batch
-    keys: list[str]                         # the store's state keys, in arena offset order
-    views: list[dict]                       # per param: its state views in the store (shapes, dtypes)
-    layouts: list[tuple]                    # per param: the states it keeps
+    row_plans: list[_RowPlan]               # per param: what a batch does with its rows
     scalars: list[dict]                     # per param: its scalars now (the last piece writes them)
-    scalars_before: list[dict]              # per param: copies of its scalars before the step
+    # per split param (several pieces): copies of its scalars before the step,
+    # which each piece starts from (a whole param's one piece reads `scalars`)
+    scalars_before: dict[int, dict]
     had_state: list[bool]                   # per param: whether it had stepped before
     group_of: list[int]                     # per param: its group
     step_groups: list[dict]                 # per group: copies of its values at step()
     grad_scale: dict                        # GradScaler's grad_scale / found_inf, copies
     group_writes: Optional[Any] = None      # a vouched-for optimizer's: each call's group copy, what calls wrote
-    block_keys: frozenset = frozenset()     # the store keys of 8-bit scales (a block per 256 elements)
     rounding_seed: Optional[int] = None     # bf16 states: the stochastic rounding's seed
     global_offsets: Optional[list] = None   # bf16 states: per param, its first element's index in the whole
 
@@ -360,68 +430,64 @@ class _BatchRule:
         self.step: Optional[_StepContext] = None
 
     def __call__(self, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
-                 grads: list[Optional[torch.Tensor]]) -> None:
-        _update_batch(self.step, batch, arena, params, grads)
+                 grads: list[Optional[torch.Tensor]], views: list[dict]) -> None:
+        _update_batch(self.step, batch, arena, params, grads, views)
+
+
+def _scalars_before(step: _StepContext, index: int) -> dict:
+    """Param `index`'s scalars as they were at step()."""
+    before = step.scalars_before.get(index)
+    return step.scalars[index] if before is None else before
 
 
 def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
-                  grads: list[Optional[torch.Tensor]]) -> None:
+                  grads: list[Optional[torch.Tensor]], row_views: list[dict]) -> None:
     """One batch of `step`, by torch's own step: each row (a param, or a piece
-    of a cut one) becomes a param of its group with the staged views as its
-    state; torch's call creates or replaces states at a param's first step,
-    which are then copied into the arena."""
-    batch_layout = step.batch_layout[batch]
+    of a cut one) becomes a param of its group with its staged views (the
+    runtime's, by store key) as its state; torch's call creates or replaces
+    states at a param's first step, which are then copied into the arena."""
     groups: dict[int, list[torch.Tensor]] = {}
     state: dict[torch.Tensor, dict] = {}
     rows = []
     codec: Optional[BatchCodec] = None  # the batch's compact states, if any
-    for (index, offset, count), offsets, param, grad in zip(batch_layout["pieces"],
-                                                              batch_layout["arena_offsets"], params, grads):
+    for (index, offset, count), param, grad, views in zip(step.batch_layout[batch]["pieces"], params, grads,
+                                                          row_views):
         if grad is None:
             continue
-        whole = offset == 0 and count == param.numel()
-        if whole:
+        plan = step.row_plans[index]
+        if offset == 0 and count == plan.numel:
             piece, piece_grad = param.detach(), grad
         else:  # only contiguous params are cut
             piece = param.detach().view(-1)[offset:offset + count]
             piece_grad = grad.reshape(-1)[offset:offset + count]
-        views = {}
-        for key, arena_offset in zip(step.keys, offsets):
-            if arena_offset < 0:
-                continue
-            described = step.views[index][key]
-            if key in step.block_keys:  # a piece starts on a block (cuts fall on 256 elements)
-                shape = described.shape if whole else (blocks(count),)
-            else:
-                shape = described.shape if whole else (count,)
-            numel = math.prod(shape)
-            nbytes = numel * described.element_size()
-            views[key] = arena[arena_offset:arena_offset + nbytes].view(described.dtype).view(shape)
+        had_state = step.had_state[index]
         # With Kahan (a 16-bit param), torch's update runs on a float32 stand-in
         # (piece + compensation) and its float32 states; kahan_round splits it back.
-        kahan = any(spec.name == COMPENSATION for spec in step.layouts[index])
-        if kahan:
-            target = kahan_stand_in(piece, piece_grad, views[COMPENSATION] if step.had_state[index] else None)
+        if plan.kahan:
+            target = kahan_stand_in(piece, piece_grad, views[COMPENSATION] if had_state else None)
         else:
             target = piece
             piece.grad = piece_grad
-        entry = {}
-        if step.had_state[index]:
-            for kept in step.layouts[index]:
-                if kept.kind == SCALAR:
-                    if kept.name != ROUNDING_STEP:
-                        value = step.scalars_before[index][kept.name]
-                        entry[kept.name] = value.clone() if torch.is_tensor(value) else value
-                elif kept.form is not None:  # decoded below, one call per batch
-                    if codec is None:
-                        codec = BatchCodec(arena.device, step.rounding_seed)
-                    entry[kept.name] = codec.scratch(kept.form, kept.code, views, kept.name, target.shape,
-                                                     target.dtype)
-                elif kept.name != COMPENSATION:
-                    entry[kept.name] = views[kept.name]
-        groups.setdefault(step.group_of[index], []).append(target)
+        if had_state:
+            entry = {name: views[name] for name in plan.exact}
+            if plan.scalars_in:
+                before = _scalars_before(step, index)
+                for name in plan.scalars_in:
+                    value = before[name]
+                    entry[name] = value.clone() if torch.is_tensor(value) else value
+            for kept in plan.coded:  # decoded below, one call per batch
+                if codec is None:
+                    codec = BatchCodec(arena.device, step.rounding_seed)
+                entry[kept.name] = codec.scratch(kept.form, kept.code, views, kept.name, target.shape, target.dtype)
+        else:
+            entry = {}
+        group = groups.get(step.group_of[index])
+        if group is None:
+            groups[step.group_of[index]] = [target]
+        else:
+            group.append(target)
         state[target] = entry
-        rows.append((index, offset, offset + count == param.numel(), target, views, piece if kahan else None))
+        rows.append((index, offset, offset + count == plan.numel, target, views, piece if plan.kahan else None))
     if not rows:
         return
     if codec is not None:
@@ -436,27 +502,21 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
         run_torch_update(step.optimizer, [dict(step.step_groups[g], params=pieces)
                                           for g, pieces in sorted(groups.items())], state,
                          grad_scale=step.grad_scale)
-    name = type(step.optimizer).__name__
-    source = "it kept at its first update" if writes is not None else "its declaration says it keeps"
     # (target: what torch's update ran on; rounded_piece: under Kahan, the piece it is rounded into)
     for index, offset, last, target, views, rounded_piece in rows:
         entry = state[target]
-        kept = {spec.name for spec in step.layouts[index] if spec.name not in (ROUNDING_STEP, COMPENSATION)}
+        plan = step.row_plans[index]
         # (a vouched-for param that kept nothing at its first update must keep nothing still)
-        if (step.had_state[index] or writes is not None) and set(entry) != kept:
-            raise RuntimeError(f"SwapOptimizer: {name}'s step left param {index} with states {sorted(entry)}, but "
-                               f"{source} {sorted(kept)}: SwapOptimizer keeps a param's states from its first "
-                               "update on, as torch.optim does. This optimizer cannot be wrapped; keep its state "
-                               "on the device")
+        if (step.had_state[index] or writes is not None) and entry.keys() != plan.kept:
+            _refuse_states(step, index, f"left param {index} with states {sorted(entry)}, but {{source}} "
+                           f"{sorted(plan.kept)}: SwapOptimizer keeps a param's states from its first update on, "
+                           "as torch.optim does. This optimizer cannot be wrapped; keep its state on the device")
         rounding_step = None
         compact_index = 0  # the state's place among the param's compact states (the rounding's key)
-        for spec in step.layouts[index]:
-            if spec.kind == SCALAR or spec.name == COMPENSATION:
-                continue
+        for spec in plan.stored:
             value = entry.get(spec.name)
             if value is None:
-                raise RuntimeError(f"SwapOptimizer: {name}'s step kept no '{spec.name}' for param {index}, which "
-                                   f"{source}")
+                _refuse_states(step, index, f"kept no '{spec.name}' for param {index}, which {{source}}")
             if spec.form is None:
                 if value is not views[spec.name]:  # created or replaced by torch's step: adopted into the store
                     views[spec.name].copy_(value)
@@ -472,16 +532,21 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
         if rounded_piece is not None:
             kahan_round(target, rounded_piece, views[COMPENSATION])
         if last:  # the param's scalars after the step: in place, as torch keeps them (identity included)
-            for spec in step.layouts[index]:
-                if spec.kind != SCALAR:
-                    continue
-                if spec.name == ROUNDING_STEP:  # a tensor written in place, as torch's step (state shows it)
+            for name in plan.scalars_out:
+                if name == ROUNDING_STEP:  # a tensor written in place, as torch's step (state shows it)
                     _keep_scalar(step.scalars[index], ROUNDING_STEP,
                                  torch.tensor(_rounding_step(step, index, entry), dtype=torch.int64))
                 else:
-                    _keep_scalar(step.scalars[index], spec.name, entry[spec.name])
+                    _keep_scalar(step.scalars[index], name, entry[name])
     if codec is not None:
         codec.encode()
+
+
+def _refuse_states(step: _StepContext, index: int, what: str) -> None:
+    """Raises: torch's step left param `index` with other states than its
+    layout's (`what`, whose {source} says where the layout came from)."""
+    source = "it kept at its first update" if step.group_writes is not None else "its declaration says it keeps"
+    raise RuntimeError(f"SwapOptimizer: {type(step.optimizer).__name__}'s step {what.format(source=source)}")
 
 
 def _rounding_step(step: _StepContext, index: int, entry: dict) -> int:
@@ -489,8 +554,8 @@ def _rounding_step(step: _StepContext, index: int, entry: dict) -> int:
     rule's count (ROUNDING_STEP) where its layout keeps one (SGD keeps no
     step; a vouched-for optimizer's 'step' may mean anything), else torch's
     own step count after it. Every piece of a cut param gets the same."""
-    if any(spec.name == ROUNDING_STEP for spec in step.layouts[index]):
-        return int(step.scalars_before[index].get(ROUNDING_STEP, 0)) + 1
+    if step.row_plans[index].has_rounding_step:
+        return int(_scalars_before(step, index).get(ROUNDING_STEP, 0)) + 1
     value = entry["step"]
     return int(value.item() if torch.is_tensor(value) else value)
 
@@ -667,6 +732,7 @@ class TorchUpdateRule:
             if _is_dtensor(p) and any(spec.form == EIGHT_BIT for spec in specs):
                 _check_fsdp_8bit(p, f"SwapOptimizer: param {i}")
         locals_ = [_local(p) for p in params]  # a DTensor's shard on this rank: what the store holds
+        self._dtensors = any(map(_is_dtensor, params))
         keys, states, scratch, block_keys = store_rows(locals_, layouts)
         cuts_16_bit = self._cuts_16_bit_on_cpu(opt)
         swappable, splittable = [], []
@@ -749,6 +815,7 @@ class TorchUpdateRule:
         opt._planning = planning
         self._moves_whole = [swap and not cut for swap, cut in zip(planning.swappable, splittable)]
         self._layouts_now = layouts
+        self._followed: Optional[_SettingsKey] = None  # _follow checks this layout at the next step
         self._note_param_versions(params)
         self._cuts_16_bit_now = cuts_16_bit
         self._views = views
@@ -759,6 +826,9 @@ class TorchUpdateRule:
         self._scalars = scalars
         self._shown = shown
         self._batch_layout = runtime.batch_layout()
+        self._row_plans = [_row_plan(specs, p.numel()) for specs, p in zip(layouts, locals_)]
+        self._split_params = sorted({index for batch in self._batch_layout for index, _, count in batch["pieces"]
+                                     if count != locals_[index].numel()})
         opt._param_ids = [id(p) for p in params]
         opt._group_sizes = [len(g["params"]) for g in opt.param_groups]
         opt._data_pointers = [_local(p).data_ptr() for p in params]
@@ -867,10 +937,14 @@ class TorchUpdateRule:
         param that has stepped keeps its states, as torch's; a change of
         setting that would need others is refused."""
         params = opt._params()
+        followed = _SettingsKey(opt.param_groups)
+        if followed == self._followed:  # nothing a layout reads has changed since it was last found current
+            return
         layouts = self._layouts(opt)
         same_params = [id(p) for p in params] == opt._param_ids and \
             [len(g["params"]) for g in opt.param_groups] == opt._group_sizes
         if same_params and layouts == self._layouts_now and self._cuts_16_bit_on_cpu(opt) == self._cuts_16_bit_now:
+            self._followed = followed
             return
         if same_params:
             for i, (now, then) in enumerate(zip(layouts, self._layouts_now)):
@@ -908,16 +982,18 @@ class TorchUpdateRule:
         written = self._written_params(opt)
         self._follow(opt)
         params = opt._params()
-        data_pointers = [_local(p).data_ptr() for p in params]
+        locals_ = [_local(p) for p in params] if self._dtensors else params  # a DTensor's: this rank's shard
+        data_pointers = [p.data_ptr() for p in locals_]
         if data_pointers != opt._data_pointers:  # .data replaced since the last step
             check_distinct(params)
             opt._data_pointers = data_pointers
-        grads = [None if p.grad is None else _local(p.grad) for p in params]  # a DTensor's: this rank's shard
-        for i, grad in enumerate(grads):
-            if grad is not None and grad.is_sparse:
-                raise RuntimeError(f"SwapOptimizer: param {i} has a sparse gradient; "
-                                   f"{type(self.optimizer).__name__} runs on dense grads here (torch.optim.SparseAdam "
-                                   "is the optimizer for sparse ones)")
+        grads = [p.grad for p in params]
+        if self._dtensors:
+            grads = [None if grad is None else _local(grad) for grad in grads]
+        if any(grad is not None and grad.is_sparse for grad in grads):
+            raise RuntimeError(f"SwapOptimizer: param {next(i for i, g in enumerate(grads) if g is not None and g.is_sparse)} "
+                               f"has a sparse gradient; {type(self.optimizer).__name__} runs on dense grads here "
+                               "(torch.optim.SparseAdam is the optimizer for sparse ones)")
         self._sync_edits(opt, params)
         self._zero_written_compensation(opt, written)
         opt._settle_budget_choice()
@@ -951,19 +1027,19 @@ class TorchUpdateRule:
                 # The step's context, held by the runtime's rule until the step is done
                 # (after the first updates: they may lay the store out again).
                 self._batch_rule.step = _StepContext(
-                    optimizer=self.optimizer, batch_layout=self._batch_layout, keys=self._keys, views=self._views,
-                    layouts=self._layouts_now, scalars=self._scalars,
+                    optimizer=self.optimizer, batch_layout=self._batch_layout, row_plans=self._row_plans,
+                    scalars=self._scalars,
                     # the kept tensors are the last piece's to write
-                    scalars_before=[{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                                    for s in self._scalars],
+                    scalars_before={i: {k: v.clone() if torch.is_tensor(v) else v for k, v in self._scalars[i].items()}
+                                    for i in self._split_params if self._scalars[i]},
                     had_state=list(self._shown), group_of=self._group_of, step_groups=self._step_groups,
                     grad_scale={name: _fresh(value) for name, value in amp.items()},
-                    group_writes=writes, block_keys=self._block_keys,
-                    rounding_seed=getattr(self, "_rounding_seed", None), global_offsets=self._global_offsets)
+                    group_writes=writes, rounding_seed=getattr(self, "_rounding_seed", None),
+                    global_offsets=self._global_offsets)
                 streamed = [None if i in first else grad for i, grad in enumerate(grads)]
                 if opt._overlap is not None:
                     opt._overlap.before_step(deferred)
-                opt._runtime.step([_local(p) for p in params], streamed, [], None, None, deferred=deferred)
+                opt._runtime.step(locals_, streamed, [], None, None, deferred=deferred)
                 if opt._overlap is not None:
                     opt._overlap.after_step(deferred, opt._runtime, streamed)
                 if not deferred:
@@ -977,8 +1053,14 @@ class TorchUpdateRule:
             state = opt.__dict__["_state"]
             stepped = [i for i, grad in enumerate(grads) if grad is not None and self._layouts_now[i]]
             for i in stepped:  # (SGD without momentum keeps no state, as in torch)
-                self._shown[i] = True
-                state[params[i]] = self._entry(i)  # a first step's scalars are new objects
+                scalars = self._scalars[i]
+                if self._shown[i] and not scalars:  # its entry holds the store's views, as before
+                    continue
+                entry = state.get(params[i])
+                # (a first step's scalars are new objects, and so is a number a step wrote)
+                if not self._shown[i] or entry is None or not _holds_only(entry, self._shown_views[i], scalars):
+                    self._shown[i] = True
+                    state[params[i]] = self._entry(i)
             if deferred:  # its group writes, and its params' entries made again, once it is done (step_waited)
                 self._pending = (writes, before, [(i, params[i], state[params[i]]) for i in stepped])
 
@@ -1017,16 +1099,14 @@ class TorchUpdateRule:
         """Loads into the store what was written into `state` since the last
         step: an entry replaced or removed (torch starts a removed one anew)."""
         state = opt.__dict__["_state"]
-        changed = []
-        for i, p in enumerate(params):
+        for i, (p, shown, views, scalars) in enumerate(zip(params, self._shown, self._shown_views, self._scalars)):
             entry = state.get(p)
-            if not entry and not self._shown[i]:
-                continue
-            ours = self._entry(i) if self._shown[i] else {}
-            if entry is not None and len(entry) == len(ours) and all(entry.get(k) is v for k, v in ours.items()):
-                continue
-            changed.append(i)
-        if not changed:
+            if not shown:
+                if entry:
+                    break
+            elif entry is None or not _holds_only(entry, views, scalars):
+                break
+        else:
             return
         opt._synchronize()
         self._lay_out(opt, {p: _copied(state[p]) for p in params if state.get(p)})
