@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import copy
 import math
-import operator
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -207,15 +206,18 @@ def _copied(entry: dict) -> dict:
     return {key: value.clone() if torch.is_tensor(value) else value for key, value in entry.items()}
 
 
-def _keep_scalar(scalars: dict, name: str, new: Any) -> None:
+def _keep_scalar(scalars: dict, name: str, new: Any) -> bool:
     """A param's scalar after an update: written into the kept tensor in place
-    where it can be (torch keeps its identity), else replaced."""
+    where it can be (torch keeps its identity), else replaced (then True)."""
     old = scalars.get(name)
+    if old is new:  # the update advanced the kept tensor itself
+        return False
     if torch.is_tensor(old) and torch.is_tensor(new) and old.shape == new.shape and old.dtype == new.dtype and \
             old.device == new.device:
         old.copy_(new)
-    else:
-        scalars[name] = new
+        return False
+    scalars[name] = new
+    return True
 
 
 class _SettingsKey:
@@ -251,13 +253,6 @@ class _SettingsKey:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _SettingsKey) and self._tokens == other._tokens
-
-
-def _holds_only(entry: dict, views: dict, scalars: dict) -> bool:
-    """Whether a param's entry in `state` holds exactly its store views and
-    its scalars, these very objects (anything else is an edit)."""
-    return len(entry) == len(views) + len(scalars) and all(map(operator.is_, map(entry.get, views), views.values())) \
-        and all(map(operator.is_, map(entry.get, scalars), scalars.values()))
 
 
 class _Kept(NamedTuple):
@@ -408,10 +403,10 @@ class _StepContext:
     optimizer: torch.optim.Optimizer        # the wrapped one: its class's step, its attributes
     batch_layout: list[dict]                # the runtime's, per batch
     row_plans: list[_RowPlan]               # per param: what a batch does with its rows
-    scalars: list[dict]                     # per param: its scalars now (the last piece writes them)
-    # per split param (several pieces): copies of its scalars before the step,
-    # which each piece starts from (a whole param's one piece reads `scalars`)
-    scalars_before: dict[int, dict]
+    # per param: its scalars now. A whole param's update advances them in place
+    # (its batch's rows are torn if it fails); a split param's last piece writes them.
+    scalars: list[dict]
+    scalars_before: dict[int, dict]         # per split param: copies of its scalars at step(), for each piece
     had_state: list[bool]                   # per param: whether it had stepped before
     group_of: list[int]                     # per param: its group
     step_groups: list[dict]                 # per group: copies of its values at step()
@@ -419,6 +414,7 @@ class _StepContext:
     group_writes: Optional[Any] = None      # a vouched-for optimizer's: each call's group copy, what calls wrote
     rounding_seed: Optional[int] = None     # bf16 states: the stochastic rounding's seed
     global_offsets: Optional[list] = None   # bf16 states: per param, its first element's index in the whole
+    scalars_replaced: set = field(default_factory=set)  # the params whose kept scalars are new objects
 
 
 class _BatchRule:
@@ -471,10 +467,15 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
         if had_state:
             entry = {name: views[name] for name in plan.exact}
             if plan.scalars_in:
-                before = _scalars_before(step, index)
-                for name in plan.scalars_in:
-                    value = before[name]
-                    entry[name] = value.clone() if torch.is_tensor(value) else value
+                before = step.scalars_before.get(index)
+                if before is None:  # a whole param: torch's step advances its kept scalars
+                    scalars = step.scalars[index]
+                    for name in plan.scalars_in:
+                        entry[name] = scalars[name]
+                else:  # each piece of a split param starts from the scalars at step()
+                    for name in plan.scalars_in:
+                        value = before[name]
+                        entry[name] = value.clone() if torch.is_tensor(value) else value
             for kept in plan.coded:  # decoded below, one call per batch
                 if codec is None:
                     codec = BatchCodec(arena.device, step.rounding_seed)
@@ -534,10 +535,11 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
         if last:  # the param's scalars after the step: in place, as torch keeps them (identity included)
             for name in plan.scalars_out:
                 if name == ROUNDING_STEP:  # a tensor written in place, as torch's step (state shows it)
-                    _keep_scalar(step.scalars[index], ROUNDING_STEP,
-                                 torch.tensor(_rounding_step(step, index, entry), dtype=torch.int64))
+                    new = torch.tensor(_rounding_step(step, index, entry), dtype=torch.int64)
                 else:
-                    _keep_scalar(step.scalars[index], name, entry[name])
+                    new = entry[name]
+                if _keep_scalar(step.scalars[index], name, new):
+                    step.scalars_replaced.add(index)
     if codec is not None:
         codec.encode()
 
@@ -913,9 +915,19 @@ class TorchUpdateRule:
         views in the store and its scalars."""
         state = opt.__dict__["_state"]
         state.clear()
+        self._marks = [None] * len(params)
         for i, p in enumerate(params):
             if self._shown[i]:
-                state[p] = self._entry(i)
+                self._show(state, i, p)
+
+    def _show(self, state: dict, index: int, param: torch.Tensor) -> None:
+        """Puts param `index`'s entry into `state`, and marks what it holds
+        (its keys and the identities of its values, held with them so that no
+        identity is reused): _sync_edits tells an edit from the mark."""
+        entry = self._entry(index)
+        state[param] = entry
+        values = tuple(entry.values())
+        self._marks[index] = (tuple(entry), tuple(map(id, values)), values)
 
     def _entry(self, index: int) -> dict:
         """A param's state as `state` shows it: its scalars and its store's
@@ -1026,7 +1038,7 @@ class TorchUpdateRule:
                     self._learn_first_updates(opt, params, grads, first)
                 # The step's context, held by the runtime's rule until the step is done
                 # (after the first updates: they may lay the store out again).
-                self._batch_rule.step = _StepContext(
+                self._batch_rule.step = context = _StepContext(
                     optimizer=self.optimizer, batch_layout=self._batch_layout, row_plans=self._row_plans,
                     scalars=self._scalars,
                     # the kept tensors are the last piece's to write
@@ -1052,15 +1064,14 @@ class TorchUpdateRule:
                     self._batch_rule.step = None
             state = opt.__dict__["_state"]
             stepped = [i for i, grad in enumerate(grads) if grad is not None and self._layouts_now[i]]
+            # A param's entry is made again where the step made its scalars new
+            # objects (its first step, a number a step wrote, a first update);
+            # otherwise it holds the store's views and the scalars, as before.
+            remade = context.scalars_replaced | set(first)
             for i in stepped:  # (SGD without momentum keeps no state, as in torch)
-                scalars = self._scalars[i]
-                if self._shown[i] and not scalars:  # its entry holds the store's views, as before
-                    continue
-                entry = state.get(params[i])
-                # (a first step's scalars are new objects, and so is a number a step wrote)
-                if not self._shown[i] or entry is None or not _holds_only(entry, self._shown_views[i], scalars):
+                if not self._shown[i] or i in remade:
                     self._shown[i] = True
-                    state[params[i]] = self._entry(i)
+                    self._show(state, i, params[i])
             if deferred:  # its group writes, and its params' entries made again, once it is done (step_waited)
                 self._pending = (writes, before, [(i, params[i], state[params[i]]) for i in stepped])
 
@@ -1091,7 +1102,7 @@ class TorchUpdateRule:
         state = opt.__dict__["_state"]
         for i, p, entry in stepped:
             if state.get(p) is entry:  # (an entry replaced meanwhile is an edit, loaded at the next step)
-                state[p] = self._entry(i)
+                self._show(state, i, p)
         if not failed:
             self._groups_written(writes, before)
 
@@ -1099,12 +1110,12 @@ class TorchUpdateRule:
         """Loads into the store what was written into `state` since the last
         step: an entry replaced or removed (torch starts a removed one anew)."""
         state = opt.__dict__["_state"]
-        for i, (p, shown, views, scalars) in enumerate(zip(params, self._shown, self._shown_views, self._scalars)):
+        for p, shown, mark in zip(params, self._shown, self._marks):
             entry = state.get(p)
             if not shown:
                 if entry:
                     break
-            elif entry is None or not _holds_only(entry, views, scalars):
+            elif entry is None or mark is None or tuple(map(id, entry.values())) != mark[1] or tuple(entry) != mark[0]:
                 break
         else:
             return
@@ -1119,6 +1130,8 @@ class TorchUpdateRule:
     def _written_params(self, opt) -> list:
         """The params with a Kahan compensation written outside step() since
         the store noted them (by identity: a new layout may move them)."""
+        if not self._param_versions:
+            return []
         by_id = {id(p): p for p in opt._params()}
         noted = [by_id.get(pid) for pid in opt._param_ids]
         versions = {i: version for i, version in self._param_versions.items() if noted[i] is not None}
@@ -1128,6 +1141,8 @@ class TorchUpdateRule:
         """The compensation of each param in `written` (written outside step()
         since the last one: in place, model.load_state_dict) is zeroed: what
         the old value lost does not belong to the new one."""
+        if not written and not self._param_versions:  # no param has a compensation (the store may be new)
+            return
         params = opt._params()
         index_of = {id(p): i for i, p in enumerate(params)}
         indices = [index_of[id(p)] for p in written if id(p) in index_of]

@@ -779,6 +779,46 @@ def test_writes_through_data_between_steps(name):
     assert_same_state(plain, swapped)
 
 
+@pytest.mark.parametrize("name", ["SGD", "NAdam"])
+def test_state_edits_between_steps_reach_the_store(name):
+    """`state` edited between steps as torch.optim allows, each the same on
+    the plain optimizer: a state's value replaced inside an entry, a scalar
+    replaced (NAdam's step), an entry replaced by a new dict of new values,
+    an entry removed (torch starts its state anew), an entry's tensor written
+    in place: the next steps use them, bitwise like the plain optimizer (the
+    store tells an edit from the entries it showed, whatever their batch)."""
+    kwargs = dict(first_variant(name), foreach=True)
+    cls = getattr(torch.optim, name)
+    a, b = make_params(name), make_params(name)
+    plain = cls(a, **kwargs)
+    swapped = so.SwapOptimizer(cls(b, **kwargs), swap_times=4, min_numel=0)
+    state_name = "momentum_buffer" if name == "SGD" else "exp_avg"
+    generator = torch.Generator().manual_seed(7)
+    for step in range(7):
+        give_grads(step, a, b)
+        plain.step()
+        swapped.step()
+        i = step % len(a)
+        new = torch.randn(a[i].shape, generator=generator)
+        if step == 1:  # a value replaced inside the entry
+            plain.state[a[i]][state_name] = new.clone()
+            swapped.state[b[i]][state_name] = new.clone()
+        if step == 2 and name == "NAdam":  # a scalar replaced
+            plain.state[a[i]]["step"] = torch.tensor(40.0)
+            swapped.state[b[i]]["step"] = torch.tensor(40.0)
+        if step == 3:  # the entry replaced by a new dict
+            plain.state[a[i]] = {**plain.state[a[i]], state_name: new.clone()}
+            swapped.state[b[i]] = {**swapped.state[b[i]], state_name: new.clone()}
+        if step == 4:  # the entry removed: the state starts anew
+            del plain.state[a[i]]
+            del swapped.state[b[i]]
+        if step == 5:  # written in place: the store's own view
+            plain.state[a[i]][state_name].mul_(0.5)
+            swapped.state[b[i]][state_name].mul_(0.5)
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
+
+
 def test_a_group_no_longer_fused_refuses_the_scale_in_step():
     params = make_params("SGD")
     swapped = so.SwapOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True), swap_times=4, min_numel=0)
