@@ -323,10 +323,14 @@ class _WaitFirst:
 
 
 class _Watch:
-    """The global module hooks, installed while any overlap lives (they do
-    nothing for modules of no overlapping optimizer's model), the signal
-    handlers wrapped meanwhile, and watches left on a stack they could not be
-    taken off yet (strays, removed by their thread at its next chance)."""
+    """The global module hooks, installed while any overlap is busy (a pass
+    pending, a probe, a watch left on a stack, CUDA's watch for captures; they
+    do nothing for modules of no overlapping optimizer's model) and taken off
+    once all are idle, so an idle module call costs nothing: any global hook
+    sends every nn.Module call in the process down torch's slow path (1.2x on
+    a model of tiny ops, with hooks that do nothing). Also the signal handlers
+    wrapped while overlaps live, and watches left on a stack they could not
+    be taken off yet (strays, removed by their thread at its next chance)."""
 
     # Held until their optimizer goes (its finalizer unregisters them); an
     # overlap keeps only a weak reference to its optimizer.
@@ -337,19 +341,45 @@ class _Watch:
     # Per orphaned pass, set once its thread has waited for the step and let
     # the runtime go (finish_before_exit waits for each).
     orphans_finished: list[threading.Event] = []
+    # Held while the hooks go on or off. An overlap becomes busy before it
+    # arms them (after_step), and disarm checks every overlap under this lock,
+    # so a pass that begins meanwhile always finds them on.
+    arming = threading.Lock()
 
     @classmethod
     def register(cls, overlap: "ForwardOverlap") -> None:
         if overlap not in cls.overlaps:
             cls.overlaps += (overlap,)
-        if not cls.handles:
+        if overlap.busy():
+            cls.arm()
+
+    @classmethod
+    def arm(cls) -> None:
+        """Puts the global hooks on, if they are off."""
+        with cls.arming:
+            if cls.handles:
+                return
             register = nn.modules.module
             cls.handles = [register.register_module_forward_pre_hook(_before_call),
                            register.register_module_forward_hook(_after_call, always_call=True)]
-            # torch warns on each OptimizedModule call while global hooks
-            # exist ("hooks fire an extra time"): ours expect that call.
-            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-            cls.quiet_filter = warnings.filters[0]
+            if cls.quiet_filter not in warnings.filters:
+                # torch warns on each OptimizedModule call while global hooks
+                # exist ("hooks fire an extra time"): ours expect that call.
+                warnings.filterwarnings("ignore",
+                                        message=r"Using `torch.compile\(module\)` when there are global hooks")
+                cls.quiet_filter = warnings.filters[0]
+
+    @classmethod
+    def disarm_if_idle(cls) -> None:
+        """Takes the global hooks off once no overlap is busy and no stray
+        waits for its thread. (torch copies the hooks before it calls them:
+        taking them off inside one is safe.)"""
+        with cls.arming:
+            if not cls.handles or cls.strays or any(overlap.busy() for overlap in cls.overlaps):
+                return
+            for handle in cls.handles:
+                handle.remove()
+            cls.handles = []
 
     @classmethod
     def unregister(cls, overlap: "ForwardOverlap") -> None:
@@ -375,11 +405,9 @@ class _Watch:
         overlap.drop_watch()  # an optimizer dropped mid-pass leaves no watch behind
         cls.overlaps = tuple(o for o in cls.overlaps if o is not overlap)
         cls.sweep()
+        cls.disarm_if_idle()
         if cls.overlaps:
             return
-        for handle in cls.handles:
-            handle.remove()
-        cls.handles = []
         if cls.quiet_filter in warnings.filters:
             warnings.filters.remove(cls.quiet_filter)
         if threading.current_thread() is threading.main_thread():
@@ -444,15 +472,15 @@ def hooks_suspended():
     without any overlapping optimizer); nothing may be pending meanwhile."""
     if any(overlap.pending or overlap.probing for overlap in _Watch.overlaps):
         raise RuntimeError("hooks_suspended(): a step is pending or a probe runs; wait() first")
-    handles, _Watch.handles = _Watch.handles, []
-    for handle in handles:
-        handle.remove()
+    with _Watch.arming:
+        handles, _Watch.handles = _Watch.handles, []
+        for handle in handles:
+            handle.remove()
     try:
         yield
     finally:
-        if _Watch.overlaps:
-            _Watch.handles = []
-            _Watch.register(_Watch.overlaps[0])
+        if any(overlap.busy() for overlap in _Watch.overlaps):
+            _Watch.arm()
 
 
 def _before_call(module, args):
@@ -460,8 +488,12 @@ def _before_call(module, args):
         return None
     if _Watch.strays:
         _Watch.sweep()
+    busy = False
     for overlap in _Watch.overlaps:
         overlap.on_call(module)
+        busy = busy or overlap.busy()
+    if not busy:
+        _Watch.disarm_if_idle()
     return None
 
 
@@ -541,6 +573,13 @@ class ForwardOverlap:
         self._watch = _ReadWatch(self)
         _Watch.register(self)
         self._finalizer = weakref.finalize(optimizer, _Watch.unregister, self)
+
+    def busy(self) -> bool:
+        """Whether module calls need the global hooks (_Watch): a pass pending
+        or probing, a watch still on a stack, an orphaned pass not yet
+        unregistered, or on CUDA the watch for a graph captured between steps."""
+        return self.pending or self.probing or self.watch_captures or self.orphaned or \
+            self._watch.thread is not None
 
     def _reset_pass(self) -> None:
         self.pending = False        # positions of a deferred step may still be running
@@ -644,6 +683,8 @@ class ForwardOverlap:
                 self._knock_out_pass_rules()
             elif self.schedule is None and not self.graphed and not self.root_compiled:
                 self._begin_probe()
+            if self.busy():  # (after the pass is set: disarm_if_idle sees it busy from here on)
+                _Watch.arm()
 
     def _knock_out_pass_rules(self) -> None:
         """Tests only: the rules of an overlapped pass's start switched off
@@ -810,6 +851,7 @@ class ForwardOverlap:
                 self._wait_until(self._last_position)
             _Watch.sweep()
             self._tidy()
+        _Watch.disarm_if_idle()
 
     def finish_pass(self) -> None:
         """No position is pending any more (or the probe ended)."""
@@ -912,11 +954,13 @@ class ForwardOverlap:
             self._modules.add(id(module))  # its return is counted too
             self._wrappers.add(id(module))
         wrapper = id(module) in self._wrappers
+        if not (self.pending or self.probing):  # CUDA, idle: only a capture is watched for, with no lock
+            if capturing(self.device):
+                self._refuse_capture()  # after wait(): a stream wait proves nothing here
+                self._note_capture()
+            return
         with self._lock:
             if not (self.pending or self.probing):
-                if capturing(self.device):
-                    self._refuse_capture()  # after wait(): a stream wait proves nothing here
-                    self._note_capture()
                 return
             owner = threading.get_ident() == self.owner
             if owner:

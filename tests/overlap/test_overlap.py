@@ -191,6 +191,52 @@ def test_the_waits_are_what_keeps_it_right(device):
     assert any(not torch.equal(a, b) for a, b in zip(logged, logged_plain))
 
 
+def overlap_hooks_on():
+    """Whether overlap's global module hooks (pre and always-called post) are installed."""
+    from torch.nn.modules import module
+
+    from swap_optimizer.overlap import _after_call, _before_call
+    return (any(hook is _before_call for hook in module._global_forward_pre_hooks.values()),
+            any(hook is _after_call for hook in module._global_forward_hooks.values()))
+
+
+def test_the_global_hooks_are_on_only_while_a_pass_needs_them():
+    """Any global module hook sends every nn.Module call in the process down
+    torch's slow path, so overlap's are on only while a pass needs them (the
+    probe after the first step, a pending step) and off once the step is
+    waited for or the pass has ended: an idle forward, of this model or any
+    other, calls none. The loop stays bitwise the one without overlap."""
+    device = torch.device("cpu")
+    model, plain_model = build(device), build(device)
+    optimizer = make_optimizer(model, True, device)
+    plain = make_optimizer(plain_model, False, device)
+    assert overlap_hooks_on() == (False, False)  # made, nothing to watch yet
+    logged = train(model, optimizer, 1, device, "plain")
+    assert optimizer._overlap.probing and overlap_hooks_on() == (True, True)
+    logged += train(model, optimizer, 1, device, "plain")
+    assert optimizer._overlap.pending and overlap_hooks_on() == (True, True)
+    optimizer.wait()
+    assert overlap_hooks_on() == (False, False)
+    with torch.no_grad():  # an idle forward: nothing pending
+        logged.append(loss_of(model, tokens_for(500, device)))
+    assert overlap_hooks_on() == (False, False)
+    logged += train(model, optimizer, 2, device, "plain")  # pending again: the next forward waits
+    assert optimizer._overlap.pending and overlap_hooks_on() == (True, True)
+    with torch.no_grad():  # its last block waits for the last batch: the pass ends, and the hooks go
+        logged.append(loss_of(model, tokens_for(501, device)))
+        logged.append(loss_of(model, tokens_for(502, device)))
+    assert not optimizer._overlap.pending and overlap_hooks_on() == (False, False)
+    logged_plain = train(plain_model, plain, 1, device, "plain") + train(plain_model, plain, 1, device, "plain")
+    with torch.no_grad():
+        logged_plain.append(loss_of(plain_model, tokens_for(500, device)))
+    logged_plain += train(plain_model, plain, 2, device, "plain")
+    with torch.no_grad():
+        logged_plain.append(loss_of(plain_model, tokens_for(501, device)))
+        logged_plain.append(loss_of(plain_model, tokens_for(502, device)))
+    assert all(torch.equal(a, b) for a, b in zip(logged, logged_plain, strict=True))
+    assert_bitwise(snapshot(model, optimizer), snapshot(plain_model, plain))
+
+
 # CPU only: on CUDA the compiled path is the same whole-step wait() the other
 # CUDA tests drive, and two compiles would take much of the GPU check's budget.
 def test_compiled_model_waits_once_at_entry():
