@@ -267,7 +267,7 @@ std::vector<RowViews> SwapRuntime::arena_views(int64_t batch, const at::Tensor& 
       if (typed_dtype == dtype) return typed;
     }
     const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
-    TORCH_INTERNAL_ASSERT(arena.storage_offset() % element == 0, "SwapRuntime: a misaligned arena");
+    TORCH_CHECK(arena.storage_offset() % element == 0, "SwapRuntime: a misaligned arena");
     at::Tensor typed = at::empty({0}, arena.options().dtype(dtype));
     typed.set_(arena.storage(), arena.storage_offset() / element, {arena.numel() / element}, {1});
     typed_arenas.emplace_back(dtype, typed);
@@ -290,9 +290,15 @@ std::vector<RowViews> SwapRuntime::arena_views(int64_t batch, const at::Tensor& 
                                                     : row.count};
       }
       std::vector<int64_t> strides(shape.size(), 1);
-      for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
+      int64_t numel = 1;
+      for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {
+        strides[d] = numel;
+        numel *= shape[d];
+      }
       const int64_t element = static_cast<int64_t>(c10::elementSize(description.dtype));
-      TORCH_INTERNAL_ASSERT(offset % element == 0, "SwapRuntime: a misaligned state in the arena");
+      // (as_strided checks against the arena's storage, which a rotating arena shares with the others)
+      TORCH_CHECK(offset % element == 0 && offset + numel * element <= arena.numel(),
+                  "SwapRuntime: state '", description.name, "' of batch ", batch, " lies outside its arena or is misaligned");
       const at::Tensor typed = typed_arena(description.dtype);
       views[r].emplace_back(description.name, typed.as_strided(shape, strides, typed.storage_offset() + offset / element));
     }

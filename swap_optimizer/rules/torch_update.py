@@ -224,8 +224,9 @@ class _SettingsKey:
     """What the store's layout is made from (each group's params, with their
     dtypes and shapes, and its settings), in a form that shows any change:
     values of plain types by value, containers by their members, a tensor by
-    identity and version, any other object by identity. It holds the objects
-    it names, so an identity cannot be reused while it is kept."""
+    identity, version and what it holds (an inference tensor, which keeps no
+    version, never compares equal), any other object by identity. It holds
+    the objects it names, so an identity cannot be reused while it is kept."""
 
     __slots__ = ("_tokens", "_held")
 
@@ -242,8 +243,11 @@ class _SettingsKey:
         if type(value) in self._PLAIN:
             return (type(value), value)
         if torch.is_tensor(value):
+            if value.is_inference():  # no version counter: never taken as unchanged
+                return ("inference tensor", object())
             self._held.append(value)
-            return ("tensor", id(value), value._version)
+            # (.data = ... changes what it holds without a version bump)
+            return ("tensor", id(value), value._version, value.data_ptr(), value.dtype, value.shape, value.device)
         if type(value) in (list, tuple):
             return (type(value), tuple(self._token(item) for item in value))
         if type(value) is dict:
@@ -507,8 +511,9 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
     for index, offset, last, target, views, rounded_piece in rows:
         entry = state[target]
         plan = step.row_plans[index]
-        # (a vouched-for param that kept nothing at its first update must keep nothing still)
-        if (step.had_state[index] or writes is not None) and entry.keys() != plan.kept:
+        # (a vouched-for param that kept nothing at its first update must keep nothing still;
+        # a declared optimizer's first step makes exactly its layout's states)
+        if entry.keys() != plan.kept:
             _refuse_states(step, index, f"left param {index} with states {sorted(entry)}, but {{source}} "
                            f"{sorted(plan.kept)}: SwapOptimizer keeps a param's states from its first update on, "
                            "as torch.optim does. This optimizer cannot be wrapped; keep its state on the device")
@@ -924,10 +929,20 @@ class TorchUpdateRule:
         """Puts param `index`'s entry into `state`, and marks what it holds
         (its keys and the identities of its values, held with them so that no
         identity is reused): _sync_edits tells an edit from the mark."""
-        entry = self._entry(index)
-        state[param] = entry
+        entry, shown = state.get(param), self._entry(index)
+        if entry is not None and self._marked(index, entry):  # unedited: made again in place, as torch keeps it
+            entry.clear()
+            entry.update(shown)
+        else:
+            entry = state[param] = shown
         values = tuple(entry.values())
         self._marks[index] = (tuple(entry), tuple(map(id, values)), values)
+
+    def _marked(self, index: int, entry: dict) -> bool:
+        """Whether `entry` holds what param `index`'s was shown with (_show):
+        the same keys, the very same values."""
+        mark = self._marks[index]
+        return mark is not None and tuple(map(id, entry.values())) == mark[1] and tuple(entry) == mark[0]
 
     def _entry(self, index: int) -> dict:
         """A param's state as `state` shows it: its scalars and its store's
@@ -972,12 +987,20 @@ class TorchUpdateRule:
         self._lay_out(opt, self._kept_state(opt))
 
     def _kept_state(self, opt) -> dict:
-        """Copies of the state of every param the store was laid out for that is
-        still in the groups (param -> entry), to fill a new store from."""
+        """Copies of the state of every param in the groups (param -> entry) as
+        torch.optim would step from it, edits of `state` included, to fill a
+        new store from."""
         opt._synchronize()
-        by_id = {id(p): p for p in opt._params()}
-        return {by_id[pid]: _copied(self._entry(i)) for i, pid in enumerate(opt._param_ids)
-                if self._shown[i] and pid in by_id}
+        state = opt.__dict__["_state"]
+        index_of = {pid: i for i, pid in enumerate(opt._param_ids)}
+        kept = {}
+        for p in opt._params():
+            entry, i = state.get(p), index_of.get(id(p))
+            if i is not None and self._shown[i] and entry is not None and self._marked(i, entry):
+                kept[p] = _copied(self._entry(i))  # unedited: the store's (a scalar a failed step replaced)
+            elif entry:  # written into `state` since the last step: torch.optim steps from it
+                kept[p] = _copied(entry)
+        return kept
 
     def step(self, opt) -> None:
         """One step of every param with a grad (after SwapOptimizer.step's
@@ -1101,7 +1124,8 @@ class TorchUpdateRule:
         writes, before, stepped = pending
         state = opt.__dict__["_state"]
         for i, p, entry in stepped:
-            if state.get(p) is entry:  # (an entry replaced meanwhile is an edit, loaded at the next step)
+            # (an entry replaced or edited meanwhile is an edit, loaded at the next step)
+            if state.get(p) is entry and self._marked(i, entry):
                 self._show(state, i, p)
         if not failed:
             self._groups_written(writes, before)
@@ -1110,12 +1134,12 @@ class TorchUpdateRule:
         """Loads into the store what was written into `state` since the last
         step: an entry replaced or removed (torch starts a removed one anew)."""
         state = opt.__dict__["_state"]
-        for p, shown, mark in zip(params, self._shown, self._marks):
+        for i, (p, shown) in enumerate(zip(params, self._shown)):
             entry = state.get(p)
             if not shown:
                 if entry:
                     break
-            elif entry is None or mark is None or tuple(map(id, entry.values())) != mark[1] or tuple(entry) != mark[0]:
+            elif entry is None or not self._marked(i, entry):
                 break
         else:
             return

@@ -237,6 +237,40 @@ def test_the_global_hooks_are_on_only_while_a_pass_needs_them():
     assert_bitwise(snapshot(model, optimizer), snapshot(plain_model, plain))
 
 
+def test_an_entry_held_across_a_deferred_step_takes_edits():
+    """An entry of `state` held across step() and edited after it returns, as
+    torch.optim allows: the edit reaches the next step whether the step was
+    deferred or not (the entry keeps its identity, as torch's)."""
+    def run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+        inner = torch.optim.NAdam(model.parameters(), lr=1e-2)
+        extra = dict(model=model, overlap_forward=True) if mode == "overlap" else {}
+        optimizer = inner if mode == "plain" else so.SwapOptimizer(inner, swap_times=3, min_numel=0, **extra)
+        x = torch.randn(8, 64)
+        weight = model[0].weight
+        deferred = None
+        for step in range(5):
+            model(x).square().mean().backward()
+            held = optimizer.state[weight] if step == 3 else None
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 3:
+                deferred = mode == "overlap" and optimizer._overlap.pending
+                held["exp_avg"] = torch.full_like(weight, 0.5)
+        model(x).square().mean().backward()
+        optimizer.step()
+        if mode != "plain":
+            optimizer.wait()
+        return [p.detach().clone() for p in model.parameters()], deferred
+
+    reference, _ = run("plain")
+    for mode in ("whole", "overlap"):
+        params, deferred = run(mode)
+        assert deferred in (None, False) if mode == "whole" else deferred, "the edited step was deferred"
+        assert all(torch.equal(p, q) for p, q in zip(params, reference)), mode
+
+
 # CPU only: on CUDA the compiled path is the same whole-step wait() the other
 # CUDA tests drive, and two compiles would take much of the GPU check's budget.
 def test_compiled_model_waits_once_at_entry():

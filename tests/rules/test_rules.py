@@ -819,6 +819,60 @@ def test_state_edits_between_steps_reach_the_store(name):
     assert_same_state(plain, swapped)
 
 
+def test_a_setting_changed_with_an_edit_keeps_both():
+    """A state edited and, in the same interval, a setting that changes an
+    unstepped param's layout (the store is laid out again): the edit is
+    kept, as torch.optim steps from it."""
+    def run(wrap):
+        torch.manual_seed(0)
+        a = [nn.Parameter(torch.randn(300)) for _ in range(2)]
+        b = [nn.Parameter(torch.randn(300))]
+        optimizer = torch.optim.SGD([{"params": a, "momentum": 0.9}, {"params": b, "momentum": 0.0}], lr=0.1)
+        if wrap:
+            optimizer = so.SwapOptimizer(optimizer, swap_times=2, min_numel=0)
+        for step in range(4):
+            give_grads(step, a + b)
+            optimizer.step()
+            if step == 1:
+                optimizer.state[a[0]]["momentum_buffer"] = torch.full((300,), 0.25)
+                optimizer.param_groups[1]["momentum"] = 0.9
+        return optimizer, a + b
+
+    (plain, a), (swapped, b) = run(False), run(True)
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
+
+
+@pytest.mark.parametrize("how", ["data", "inference"])
+def test_a_group_tensor_changed_without_a_version_bump(how):
+    """A group's tensor value that changes without a version bump: through
+    .data (SGD's momentum turned on before a param's first step: its
+    momentum_buffer is kept from then on), or an inference tensor (it keeps
+    no version): bitwise like the plain optimizer."""
+    def run(wrap):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(300)) for _ in range(2)]
+        if how == "data":
+            optimizer = torch.optim.SGD(params, lr=0.1, momentum=torch.tensor(0.0))
+        else:
+            with torch.inference_mode():
+                lr = torch.tensor(0.1)
+            optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9)
+        if wrap:
+            optimizer = so.SwapOptimizer(optimizer, swap_times=2, min_numel=0)
+        for step in range(4):
+            give_grads(step, params[:1] if step == 0 else params)
+            optimizer.step()
+            if step == 0 and how == "data":
+                optimizer.param_groups[0]["momentum"].data = torch.tensor(0.9)
+        return optimizer, params
+
+    (plain, a), (swapped, b) = run(False), run(True)
+    assert sorted(swapped.state[b[1]]) == sorted(plain.state[a[1]])
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
+
+
 def test_a_group_no_longer_fused_refuses_the_scale_in_step():
     params = make_params("SGD")
     swapped = so.SwapOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True), swap_times=4, min_numel=0)
