@@ -323,7 +323,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         self.wait()
         self._runtime.synchronize()
         if self._overlap is not None:
-            self._overlap.unproven = False
+            self._overlap.synchronized()
 
     @_on_the_optimizer_itself
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102  (torch.optim API)

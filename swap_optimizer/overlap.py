@@ -48,12 +48,14 @@ import threading
 import warnings
 import weakref
 from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import torch_internals
 from .step_guards import HANDLED_SIGNALS, capturing
 
 # Methods that read only metadata: they never need a param's update. Attribute
@@ -140,33 +142,33 @@ def _insert_mode(mode: TorchFunctionMode) -> None:
     so that modes entered before it, which leave by popping the top (user
     modes, `with torch.device(...)`), pop their own: only the default device
     of torch.set_default_device stays below it, as its exit requires."""
-    default = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    default = torch_internals.default_device_mode()
     above = []
     try:
-        while torch._C._len_torch_function_stack() > 0:
-            entry = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
-            if torch._C._len_torch_function_stack() == 1 and entry is default:
+        while torch_internals.mode_stack_length() > 0:
+            entry = torch_internals.mode_at(torch_internals.mode_stack_length() - 1)
+            if torch_internals.mode_stack_length() == 1 and entry is default:
                 break
-            above.append(torch._C._pop_torch_function_stack())
-        torch._C._push_on_torch_function_stack(mode)
+            above.append(torch_internals.pop_mode())
+        torch_internals.push_mode(mode)
     finally:  # also if a signal interrupts: the user's modes go back, in order
         for entry in reversed(above):
-            torch._C._push_on_torch_function_stack(entry)
+            torch_internals.push_mode(entry)
 
 
 def _remove_mode(mode: TorchFunctionMode) -> bool:
     """Takes `mode` out of this thread's stack, wherever it is; whether it was there."""
     above, found = [], False
     try:
-        for _ in range(torch._C._len_torch_function_stack()):
-            entry = torch._C._pop_torch_function_stack()
+        for _ in range(torch_internals.mode_stack_length()):
+            entry = torch_internals.pop_mode()
             if entry is mode:
                 found = True
                 break
             above.append(entry)
     finally:
         for entry in reversed(above):
-            torch._C._push_on_torch_function_stack(entry)
+            torch_internals.push_mode(entry)
     return found
 
 
@@ -260,15 +262,8 @@ def find_blocks(model: nn.Module, expand_sequential: bool = True) -> list[nn.Mod
     return unique
 
 
-def _compiled_in_place(module: nn.Module) -> bool:
-    """module.compile(): its calls go straight into compiled code."""
-    return module.__dict__.get("_compiled_call_impl") is not None
-
-
-def _wrapped_module(module: nn.Module) -> Optional[nn.Module]:
-    """The module a torch.compile wrapper (OptimizedModule) runs, if it is one."""
-    inner = module.__dict__.get("_modules", {}).get("_orig_mod")
-    return inner if isinstance(inner, nn.Module) else None
+_compiled_in_place = torch_internals.compiled_in_place
+_wrapped_module = torch_internals.compiled_wrapper_inner
 
 
 def check_model(model: nn.Module) -> None:
@@ -290,8 +285,7 @@ def check_model(model: nn.Module) -> None:
 def _structure(model: nn.Module) -> list[tuple]:
     """The model's modules and the params each holds directly, by identity
     (a module replaced, a weight tied or untied), and which are compiled in place."""
-    return [(id(m), _compiled_in_place(m), *(id(p) for p in m._parameters.values() if p is not None))
-            for m in model.modules()]
+    return [(id(m), _compiled_in_place(m), *map(id, torch_internals.own_params(m))) for m in model.modules()]
 
 
 class _WaitSchedule:
@@ -521,7 +515,7 @@ def _wait_for_dropped_step(runtime) -> None:
                       "last checkpoint into a new optimizer, or keep the optimizer and call optimizer.wait() after "
                       "the last step() to see such a failure raised", RuntimeWarning, stacklevel=3)
 
-# Tests only: the rules ForwardOverlap.knocked_out_rules may switch off, one at
+# Tests only: the rules OverlapTestHooks.knocked_out_rules may switch off, one at
 # a time, each caught by its own test in tests/overlap/test_overlap_mutations.py.
 KNOCKABLE_RULES = {
     "probe_rank_late": "a read the probe saw is placed one call after the call it was read in",
@@ -535,11 +529,34 @@ KNOCKABLE_RULES = {
 }
 
 
+UNGUARDABLE = ("ops", "divergence", "compiled")
+
+
+@dataclass(frozen=True)
+class OverlapTestHooks:
+    """Tests only, given through ForwardOverlap.set_test_hooks: negative
+    controls and a simulation. knocked_out: params whose waits are left out;
+    unguarded: waits switched off by kind, of UNGUARDABLE ("ops": outside the
+    model's calls, "divergence": where calls differ from the probe's,
+    "compiled": at a compiled model's first call); knocked_out_rules: single
+    rules switched off, of KNOCKABLE_RULES; as_if_cuda: the capture rules as
+    for params on a GPU (idle calls watched, an overlapped step unproven until
+    synchronize()), for a CPU test with `capturing` simulated."""
+    knocked_out: frozenset = frozenset()
+    unguarded: frozenset = frozenset()
+    knocked_out_rules: frozenset = frozenset()
+    as_if_cuda: bool = False
+
+
 class ForwardOverlap:
     """The waits of one SwapOptimizer(overlap_forward=True): its probe, wait schedule
-    and the state of the pass in progress (from a step() to the next)."""
+    and the state of the pass in progress (from a step() to the next). The
+    optimizer drives it through its methods (check_params, lay_out, may_defer,
+    before_step, after_step, end_enqueuing, end_pass, synchronized, wait_all,
+    busy); tests through set_test_hooks."""
 
     def __init__(self, optimizer, model: nn.Module, params: list[torch.Tensor]):
+        torch_internals.check_mode_stack()
         check_model(model)
         self.model = model
         self._optimizer = weakref.ref(optimizer)  # the model never keeps the optimizer alive
@@ -552,15 +569,7 @@ class ForwardOverlap:
         self.unproven = False    # CUDA: a deferred step no host sync has seen end
         self.watch_captures = self.device.type == "cuda"  # idle calls too: a graph captured before a step
         self.root_compiled = _compiled_in_place(model)
-        # Tests only (negative controls): params whose waits are left out, and
-        # waits switched off by kind: "ops" (outside the model's calls),
-        # "divergence" (where calls differ from the probe's), "compiled" (at a
-        # compiled model's first call).
-        self.knocked_out: set[int] = set()
-        self.unguarded: set[str] = set()
-        # Tests only (tests/overlap/test_overlap_mutations.py): single rules switched
-        # off, each one of KNOCKABLE_RULES.
-        self.knocked_out_rules: set[str] = set()
+        self.test_hooks = OverlapTestHooks()
         self._param_positions: list[int] = []  # per param: the last pipeline position holding it
         # Per param, from the last probe: where the forward first needs it (_first_reads); None before one.
         self.first_reads: Optional[list[int]] = None
@@ -573,6 +582,31 @@ class ForwardOverlap:
         self._watch = _ReadWatch(self)
         _Watch.register(self)
         self._finalizer = weakref.finalize(optimizer, _Watch.unregister, self)
+
+    def set_test_hooks(self, **changes) -> None:
+        """Tests only: changes fields of the OverlapTestHooks (the others stay)."""
+        unknown_rules = set(changes.get("knocked_out_rules", ())) - set(KNOCKABLE_RULES)
+        unknown_kinds = set(changes.get("unguarded", ())) - set(UNGUARDABLE)
+        if unknown_rules or unknown_kinds:
+            raise ValueError(f"set_test_hooks: unknown rules {sorted(unknown_rules)} or kinds {sorted(unknown_kinds)}; "
+                             f"rules are {sorted(KNOCKABLE_RULES)}, kinds {list(UNGUARDABLE)}")
+        sets = {key: frozenset(value) for key, value in changes.items() if key != "as_if_cuda"}
+        self.test_hooks = replace(self.test_hooks, **{**changes, **sets})
+        self.watch_captures = self._on_cuda()
+        if self.busy():
+            _Watch.arm()
+
+    def _on_cuda(self) -> bool:
+        """Whether the capture rules apply: params on a GPU (or a test's as_if_cuda)."""
+        return self.device.type == "cuda" or self.test_hooks.as_if_cuda
+
+    def end_enqueuing(self) -> None:
+        """step() is done enqueuing (its pass has begun, or it raised)."""
+        self.enqueuing = False
+
+    def synchronized(self) -> None:
+        """A host sync has seen the last step end (optimizer.synchronize())."""
+        self.unproven = False
 
     def busy(self) -> bool:
         """Whether module calls need the global hooks (_Watch): a pass pending
@@ -689,22 +723,23 @@ class ForwardOverlap:
     def _knock_out_pass_rules(self) -> None:
         """Tests only: the rules of an overlapped pass's start switched off
         (knocked_out_rules), as if _begin_overlapped lacked them."""
-        if "grads" in self.knocked_out_rules and self._spans is not None:
+        if "grads" in self.test_hooks.knocked_out_rules and self._spans is not None:
             self._spans = None  # the watch is on: the ops below, on params, must not wait for them
-            self._spans = _SpanIndex([(p, i) for i, p in enumerate(self.params) if i not in self.knocked_out],
-                                     self.device)
-        if "unproven" in self.knocked_out_rules:
+            self._spans = _SpanIndex([(p, i) for i, p in enumerate(self.params)
+                                      if i not in self.test_hooks.knocked_out], self.device)
+        if "unproven" in self.test_hooks.knocked_out_rules:
             self.unproven = False
 
     def _begin_overlapped(self, runtime, grads) -> None:
         schedule = self.schedule
         self.pending = True
         self._pending_runtime = runtime
-        self.unproven = self.device.type == "cuda"
+        self.unproven = self._on_cuda()
         last = self._param_positions
         self._last_position = max(last, default=-1)
-        tagged = [(p, i) for i, p in enumerate(self.params) if i not in self.knocked_out]
-        tagged += [(g, i) for i, g in enumerate(grads) if g is not None and i not in self.knocked_out]
+        knocked_out = self.test_hooks.knocked_out
+        tagged = [(p, i) for i, p in enumerate(self.params) if i not in knocked_out]
+        tagged += [(g, i) for i, g in enumerate(grads) if g is not None and i not in knocked_out]
         self._spans = _SpanIndex(tagged, self.device)
         self._positions = last
         if schedule.step_position >= 0:
@@ -729,7 +764,7 @@ class ForwardOverlap:
         count = len(self.params)
         index_of = {id(p): i for i, p in enumerate(self.params)}
         rank = [_UNRANKED] * count
-        rules_off = self.knocked_out_rules
+        rules_off = self.test_hooks.knocked_out_rules
         for i, call in self._probe_first_inside.items():
             if "probe_ranks" not in rules_off:
                 rank[i] = min(rank[i], call + ("probe_rank_late" in rules_off))
@@ -749,10 +784,10 @@ class ForwardOverlap:
         # did not see (another thread, a raw pointer) must finish in step().
         unseen = [] if self._probe_compiled else \
             [i for i, p in enumerate(self.params)
-             if p.grad is not None and i not in self._probe_first_inside and i not in self.knocked_out]
+             if p.grad is not None and i not in self._probe_first_inside and i not in self.test_hooks.knocked_out]
         for i in unseen:
             rank[i] = -1
-        for i in self.knocked_out:
+        for i in self.test_hooks.knocked_out:
             rank[i] = _UNRANKED
         self.first_reads = self._first_reads(rank, calls)
         runtime.set_batch_order(rank)
@@ -769,7 +804,7 @@ class ForwardOverlap:
                 wait_at[rank[i]] = max(wait_at[rank[i]], last[i])
         for call in range(1, len(calls)):
             wait_at[call] = max(wait_at[call], wait_at[call - 1])
-        if calls and not self.knocked_out:
+        if calls and not self.test_hooks.knocked_out:
             wait_at[-1] = everything  # the pass ends with the step done
         step_position = max((last[i] for i in unseen), default=-1)
         self.schedule = _WaitSchedule(_structure(self.model), calls, wait_at, step_position, self._probe_compiled)
@@ -789,7 +824,7 @@ class ForwardOverlap:
         first_call_of = {}
         for call, module in enumerate(calls):
             first_call_of.setdefault(id(module), call)
-        blocks = find_blocks(self.model, expand_sequential="sequential" not in self.knocked_out_rules)
+        blocks = find_blocks(self.model, expand_sequential="sequential" not in self.test_hooks.knocked_out_rules)
         # A module shared between blocks keeps its own first call: it would tie later blocks to the first.
         owners = Counter(id(m) for block in blocks for m in block.modules())
         for block in blocks:
@@ -978,7 +1013,7 @@ class ForwardOverlap:
                 self._note_capture()
             schedule = self.schedule
             if wrapper or schedule.compiled:
-                if "compiled" not in self.unguarded:
+                if "compiled" not in self.test_hooks.unguarded:
                     self._wait_until(self._last_position)
                 return
             if self._index == 0 and self._structure_changed():
@@ -987,7 +1022,7 @@ class ForwardOverlap:
                 position = schedule.wait_at[self._index]
                 self._index += 1
                 self._wait_until(position)
-            elif "divergence" not in self.unguarded:  # not the probe's sequence: wait for everything here
+            elif "divergence" not in self.test_hooks.unguarded:  # not the probe's sequence: wait for everything here
                 self._index = len(schedule.sequence)
                 self._wait_until(self._last_position)
 
@@ -1020,7 +1055,7 @@ class ForwardOverlap:
             spans = self._spans
             if spans is None:
                 return
-            touched = [tag for t in _tensors_in(args, kwargs, lists="lists" not in self.knocked_out_rules)
+            touched = [tag for t in _tensors_in(args, kwargs, lists="lists" not in self.test_hooks.knocked_out_rules)
                        for tag in spans.touched(t)]
             if self.probing:
                 inside = self._depth > 0
@@ -1028,9 +1063,10 @@ class ForwardOverlap:
                     if inside and i not in self._probe_first_inside:
                         self._probe_first_inside[i] = len(self._probe_calls) - 1
                 return
-            if not self.pending or "ops" in self.unguarded:
+            if not self.pending or "ops" in self.test_hooks.unguarded:
                 return
-            if getattr(func, "__name__", "") in _BACKWARD_FUNCTIONS and "backward" not in self.knocked_out_rules:
+            if getattr(func, "__name__", "") in _BACKWARD_FUNCTIONS and \
+                    "backward" not in self.test_hooks.knocked_out_rules:
                 return self._wait_until(self._last_position)  # backward may write grads the step reads
             if touched:
                 self._wait_until(max(self._positions[i] for i in touched))

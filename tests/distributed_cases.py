@@ -488,7 +488,7 @@ def case_ddp_overlap_layer_drop(rank, device, work_dir):
         fields = dict(model=model, overlap_forward=True) if overlap else {}
         ours = SwapOptimizer(adamw(model.parameters()), swap_times=4, num_arenas=3, min_numel=0, **fields)
         if overlap:
-            ours._overlap.unguarded = {"divergence"} if control else set()
+            ours._overlap.set_test_hooks(unguarded={"divergence"} if control else ())
             if device.type == "cpu":
                 ours._set_test_hooks(copy_delay_us=4000 if control else 300, seed=rank)
         train(model, ours, 7, 0, device, rank)

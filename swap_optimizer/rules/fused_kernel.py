@@ -305,7 +305,7 @@ class PackedKernelRule:
         finally:
             opt._stepping = False
             if opt._overlap is not None:
-                opt._overlap.enqueuing = False  # its pass has begun, or step() raised
+                opt._overlap.end_enqueuing()  # its pass has begun, or step() raised
             # A stopped step leaves each param and its master consistent too.
             # (The step bumps no version counter, deferred or not: any later
             # bump is a write made outside step().)

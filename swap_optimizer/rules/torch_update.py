@@ -1082,7 +1082,7 @@ class TorchUpdateRule:
             finally:
                 opt._stepping = False
                 if opt._overlap is not None:
-                    opt._overlap.enqueuing = False  # its pass has begun, or step() raised
+                    opt._overlap.end_enqueuing()  # its pass has begun, or step() raised
                 if self.learning and not deferred:  # done: the context need not outlive it
                     self._batch_rule.step = None
             state = opt.__dict__["_state"]

@@ -183,8 +183,7 @@ def test_the_waits_are_what_keeps_it_right(device):
     model, plain_model = build(device), build(device)
     optimizer = make_optimizer(model, True, device, delay_us=4000)
     plain = make_optimizer(plain_model, False, device)
-    optimizer._overlap.knocked_out = set(range(len(list(model.parameters()))))
-    optimizer._overlap.unguarded = {"ops"}
+    optimizer._overlap.set_test_hooks(knocked_out=range(len(list(model.parameters()))), unguarded={"ops"})
     logged = train(model, optimizer, 5, device, "plain")
     logged_plain = train(plain_model, plain, 5, device, "plain")
     optimizer.wait()
@@ -269,6 +268,52 @@ def test_an_entry_held_across_a_deferred_step_takes_edits():
         params, deferred = run(mode)
         assert deferred in (None, False) if mode == "whole" else deferred, "the edited step was deferred"
         assert all(torch.equal(p, q) for p, q in zip(params, reference)), mode
+
+
+def test_the_private_torch_apis_overlap_uses_work_on_this_torch():
+    """Each wrapper of swap_optimizer/torch_internals.py does what overlap
+    relies on, on the torch under test (2.14 in CI, 2.11 in the GPU check)."""
+    from torch.overrides import TorchFunctionMode
+
+    from swap_optimizer import torch_internals
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch_internals.check_mode_stack()
+    mode, depth = Passing(), torch_internals.mode_stack_length()
+    torch_internals.push_mode(mode)
+    assert torch_internals.mode_stack_length() == depth + 1 and torch_internals.mode_at(depth) is mode
+    assert torch_internals.pop_mode() is mode and torch_internals.mode_stack_length() == depth
+    torch.set_default_device("cpu")
+    try:
+        default = torch_internals.default_device_mode()
+        assert default is not None and torch_internals.mode_at(torch_internals.mode_stack_length() - 1) is default
+    finally:
+        torch.set_default_device(None)
+    layer = nn.Linear(2, 2)
+    assert not torch_internals.compiled_in_place(layer)
+    layer.compile()
+    assert torch_internals.compiled_in_place(layer)
+    inner = nn.Linear(2, 2)
+    assert torch_internals.compiled_wrapper_inner(torch.compile(inner)) is inner
+    assert torch_internals.compiled_wrapper_inner(inner) is None
+    assert list(torch_internals.own_params(inner)) == [inner.weight, inner.bias]
+
+
+def test_a_torch_without_the_private_apis_it_needs_is_refused_naming_them(monkeypatch):
+    """overlap_forward relies on torch's function mode stack (private API,
+    wrapped once in swap_optimizer/torch_internals.py): a torch that lacks it
+    is refused when the optimizer is made, naming what is missing and the fix.
+    Tests' knobs are checked by name too."""
+    model = build(torch.device("cpu"))
+    optimizer = make_optimizer(model, True, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"unknown rules \['nope'\]"):
+        optimizer._overlap.set_test_hooks(knocked_out_rules={"nope"})
+    monkeypatch.delattr(torch._C, "_push_on_torch_function_stack")
+    with pytest.raises(RuntimeError, match=r"no torch._C._push_on_torch_function_stack.*use overlap_forward=False"):
+        make_optimizer(build(torch.device("cpu")), True, torch.device("cpu"))
 
 
 # CPU only: on CUDA the compiled path is the same whole-step wait() the other
@@ -657,7 +702,7 @@ def test_capture_rules_on_the_cpu(monkeypatch):
     model = build(device)
     optimizer = make_optimizer(model, True, device)
     overlap = optimizer._overlap
-    overlap.watch_captures = True  # as on CUDA
+    overlap.set_test_hooks(as_if_cuda=True)  # idle calls watched, an overlapped step unproven until synchronize()
 
     @contextlib.contextmanager
     def simulated_capture():
@@ -669,11 +714,10 @@ def test_capture_rules_on_the_cpu(monkeypatch):
 
     train(model, optimizer, 2, device, "plain")
     assert overlap.pending
-    overlap.unproven = True  # as after a deferred step on CUDA
     with pytest.raises(RuntimeError, match=r"call optimizer.synchronize\(\) before capturing"), simulated_capture():
         model(tokens_for(0, device))
     optimizer.wait()
-    overlap.unproven = True  # wait() is a stream wait on CUDA
+    assert overlap.unproven  # wait() is a stream wait on CUDA
     with pytest.raises(RuntimeError, match=r"call optimizer.synchronize\(\) before capturing"), simulated_capture():
         model(tokens_for(0, device))
     optimizer.synchronize()

@@ -63,7 +63,7 @@ def make_optimizer(model, overlap, watch_ops=False, **fields):
                                  num_arenas=3, min_numel=0, **fields, **extra)
     assert optimizer.memory_stats()["split_params"] == 2, "the embedding and the head are cut across batches"
     if overlap and not watch_ops:
-        optimizer._overlap.unguarded = {"ops"}
+        optimizer._overlap.set_test_hooks(unguarded={"ops"})
     loss_of(model, -1).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

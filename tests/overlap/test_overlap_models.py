@@ -212,10 +212,9 @@ def run(build, overlap, steps=STEPS, step_loss=loss_of, after_step=None, knock_o
     model = build().to(device)
     control = knock_out is not None or bool(unguarded)
     optimizer = make_optimizer(model, overlap, delay_us=CONTROL_DELAY_US if control else 300, own_batches=own_batches)
-    if overlap and knock_out is not None:
-        optimizer._overlap.knocked_out = knock_out(model)
     if overlap:
-        optimizer._overlap.unguarded = set(unguarded)
+        optimizer._overlap.set_test_hooks(knocked_out=knock_out(model) if knock_out is not None else (),
+                                          unguarded=unguarded)
     logged = []
     for step in range(steps):
         optimizer.zero_grad()

@@ -7,7 +7,7 @@ size) and no two modules share a param, so a single misplaced wait leaves a
 param whose update lags behind the read (random delays on every copy and
 update, as in tests/overlap/test_overlap.py). Each run with overlap is compared
 bitwise (torch.equal) with the same loop without it; its negative control
-switches off exactly its own rule (ForwardOverlap.knocked_out_rules, listed in
+switches off exactly its own rule (OverlapTestHooks.knocked_out_rules, listed in
 swap_optimizer.overlap.KNOCKABLE_RULES) and the same comparison then fails.
 test_each_rule_is_caught_by_its_own_case (slow tier) runs every rule against
 every case: the matrix, and why a few cases also fail without another rule.
@@ -234,7 +234,7 @@ def make_optimizer(model, overlap, rules=()):
     if overlap:
         optimizer._set_test_hooks(copy_delay_us=COPY_DELAY_US, compute_delay_us=COMPUTE_DELAY_US, seed=5)
         assert set(rules) <= set(overlap_module.KNOCKABLE_RULES)
-        optimizer._overlap.knocked_out_rules = set(rules)
+        optimizer._overlap.set_test_hooks(knocked_out_rules=rules)
     return optimizer
 
 
@@ -323,7 +323,7 @@ def capture_refused_after_wait(monkeypatch, rules=()):
         plain_loop(model, optimizer, step)
     optimizer.wait()
     assert not overlap.unproven  # a CPU step proves its own end
-    overlap.device, overlap.watch_captures = torch.device("cuda"), True  # as for params on a GPU
+    overlap.set_test_hooks(as_if_cuda=True)  # the capture rules as for params on a GPU
     try:
         plain_loop(model, optimizer, 2)
         assert overlap.pending
@@ -349,7 +349,7 @@ def capture_refused_after_wait(monkeypatch, rules=()):
         return refused
     finally:
         capturing[0] = False
-        overlap.device = torch.device("cpu")
+        overlap.set_test_hooks(as_if_cuda=False)
         monkeypatch.undo()
 
 

@@ -30,8 +30,8 @@ def train(build, batch, loss_of, overlap, steps=5, without_waits=False):
     if overlap:
         optimizer._set_test_hooks(copy_delay_us=4000 if without_waits else 1000, seed=3)
     if without_waits:  # the negative control: every wait of the forward and outside it off
-        optimizer._overlap.knocked_out = set(range(len(list(model.parameters()))))
-        optimizer._overlap.unguarded = {"ops", "divergence", "compiled"}
+        optimizer._overlap.set_test_hooks(knocked_out=range(len(list(model.parameters()))),
+                                          unguarded={"ops", "divergence", "compiled"})
     ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
     logged = []
     for step in range(steps):

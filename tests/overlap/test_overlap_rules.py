@@ -58,8 +58,7 @@ def test_the_waits_are_what_keeps_it_right():
     optimizer = make(model, "SGD", True)
     optimizer._set_test_hooks(copy_delay_us=4000, compute_delay_us=300, seed=5)
     plain = make(plain_model, "SGD", False)
-    optimizer._overlap.knocked_out = set(range(len(list(model.parameters()))))
-    optimizer._overlap.unguarded = {"ops"}
+    optimizer._overlap.set_test_hooks(knocked_out=range(len(list(model.parameters()))), unguarded={"ops"})
     logged = train(model, optimizer, 5, device, "plain")
     logged_plain = train(plain_model, plain, 5, device, "plain")
     optimizer.wait()

@@ -1,0 +1,87 @@
+"""The private torch APIs overlap_forward relies on, one wrapper each, so a
+torch release that moves one fails here, naming it, and is mended in one
+place. Each was checked here on torch 2.13 and 2.14, and against torch's
+source, where all of them exist from 2.4 on; tests/overlap (which exercises
+each: test_the_private_torch_apis_overlap_uses_work_on_this_torch) runs on
+2.14 in CI and on the GPU machine's torch 2.11 in scripts/gpu_check.sh:
+
+- the torch function mode stack (torch/csrc/utils/python_arg_parser and
+  torch/overrides.py use it to enter and leave modes): a mode pushed at the
+  bottom, so that modes entered later pop their own;
+- the mode torch.set_default_device installs (torch/utils/_device.py), which
+  must stay at the very bottom of that stack;
+- nn.Module.compile()'s compiled call (a module compiled in place) and
+  torch.compile's OptimizedModule wrapper (the module it runs);
+- a module's own params (`_parameters`, what named_parameters walks).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+_MODE_STACK = ("_len_torch_function_stack", "_get_function_stack_at", "_pop_torch_function_stack",
+               "_push_on_torch_function_stack")
+
+
+def _mode_stack_call(name: str):
+    function = getattr(torch._C, name, None)
+    if function is None:
+        raise RuntimeError(f"SwapOptimizer(overlap_forward=True): torch {torch.__version__} has no torch._C.{name}, "
+                           "which overlap_forward needs (checked on torch 2.11 to 2.14); use overlap_forward=False "
+                           "with this torch, or a torch version it was checked on")
+    return function
+
+
+def mode_stack_length() -> int:
+    """How many torch function modes this thread's stack holds (2.11-2.14)."""
+    return _mode_stack_call("_len_torch_function_stack")()
+
+
+def mode_at(index: int):
+    """The mode at `index` of this thread's stack, 0 the bottom (2.11-2.14)."""
+    return _mode_stack_call("_get_function_stack_at")(index)
+
+
+def pop_mode():
+    """Takes the top mode off this thread's stack and returns it (2.11-2.14)."""
+    return _mode_stack_call("_pop_torch_function_stack")()
+
+
+def push_mode(mode) -> None:
+    """Puts `mode` on top of this thread's stack, not entering it (2.11-2.14)."""
+    _mode_stack_call("_push_on_torch_function_stack")(mode)
+
+
+def default_device_mode():
+    """The mode torch.set_default_device keeps on the stack, or None
+    (torch.utils._device's thread-local, 2.11-2.14)."""
+    return getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+
+
+def compiled_in_place(module: nn.Module) -> bool:
+    """module.compile(): its calls go straight into compiled code (the
+    instance's `_compiled_call_impl`, 2.11-2.14)."""
+    return module.__dict__.get("_compiled_call_impl") is not None
+
+
+def compiled_wrapper_inner(module: nn.Module) -> Optional[nn.Module]:
+    """The module a torch.compile wrapper (OptimizedModule) runs, if `module`
+    is one (its `_orig_mod` child, 2.11-2.14)."""
+    inner = module.__dict__.get("_modules", {}).get("_orig_mod")
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def own_params(module: nn.Module) -> Iterator[torch.Tensor]:
+    """The params a module holds itself, not its children's (its
+    `_parameters`, 2.11-2.14; named_parameters(recurse=False) builds names)."""
+    return (p for p in module._parameters.values() if p is not None)
+
+
+def check_mode_stack() -> None:
+    """Raises now, naming what is missing, where this torch lacks the mode
+    stack's functions (overlap_forward checks at construction)."""
+    for name in _MODE_STACK:
+        _mode_stack_call(name)
