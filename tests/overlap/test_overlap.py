@@ -194,7 +194,7 @@ def overlap_hooks_on():
     """Whether overlap's global module hooks (pre and always-called post) are installed."""
     from torch.nn.modules import module
 
-    from swap_optimizer.overlap import _after_call, _before_call
+    from swap_optimizer.overlap.hooks import _after_call, _before_call
     return (any(hook is _before_call for hook in module._global_forward_pre_hooks.values()),
             any(hook is _after_call for hook in module._global_forward_hooks.values()))
 
@@ -697,7 +697,7 @@ def test_capture_rules_on_the_cpu(monkeypatch):
     after synchronize(), and then every later step completes inside step()."""
     import contextlib
 
-    import swap_optimizer.overlap as overlap_module
+    import swap_optimizer.overlap.waits as overlap_module  # where the waits look `capturing` up
     device = torch.device("cpu")
     model = build(device)
     optimizer = make_optimizer(model, True, device)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import swap_optimizer as so
-import swap_optimizer.overlap as overlap_module
+import swap_optimizer.overlap.waits as overlap_module  # the rules it knocks out; where `capturing` is looked up
 import swap_optimizer.step_guards as step_guards_module
 
 WIDTH = VOCAB = 16  # every param is WIDTH x WIDTH: the embedding, each linear, the head, a layer-scale

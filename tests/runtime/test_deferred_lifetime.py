@@ -246,7 +246,7 @@ if sys.argv[2].startswith("exit"):
 sys.path.insert(0, sys.argv[1])
 import conftest  # noqa: F401  (puts the tests' folders on sys.path)
 import swap_optimizer as so
-from swap_optimizer import overlap
+from swap_optimizer.overlap import hooks as overlap
 from swap_optimizer.rules import torch_update
 from test_overlap import build, loss_of, tokens_for
 
