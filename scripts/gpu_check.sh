@@ -14,11 +14,12 @@
 #      bench-overlap   35 s  the step overlapped with the next forward, 350m fp32 (bench.log, timeline_overlap.png)
 #      overlap-memory   3 s  issue 19's memory bound on that comparison's loops (bench.log)
 #      cost-model      15 s  issue 21's cost model, predicted against measured (bench.log)
+#      host-overhead   15 s  issue 32's host share: step() and the forward's checks on tiny tensors (bench.log)
 #   5. memcheck        30 s  compute-sanitizer memcheck on a short training run (sanitizers.log)
 #      racecheck       15 s  compute-sanitizer racecheck on the 8-bit kernel (sanitizers.log)
 #
-# The limits add up to 348 s: with nvidia-smi and the bookkeeping, the script
-# ends within 6 minutes wall, the build included, so that a rerun still fits
+# The limits add up to 363 s: with nvidia-smi and the bookkeeping, the script
+# ends within 6.3 minutes wall, the build included, so that a rerun still fits
 # the 15-minute window after a machine start of 1-2 minutes.
 # Each stage writes its result (exit status, seconds, key figures, the bench
 # reports whole) into $OUT/gpu_check.json as soon as it ends, rewriting the
@@ -269,7 +270,7 @@ stage() {  # stage [--refusable] [--needs FILE] NAME LIMIT LOG COMMAND...: one s
 }
 
 # The stage limits, in the order the stages run (the dry run checks them against the stage lines below).
-LIMITS_SUM=348
+LIMITS_SUM=363
 
 # The import check: the installed build (python -P: never the source folder,
 # which has no extension) has its CUDA kernels, and what the figures in
@@ -682,6 +683,15 @@ if cost.get("report"):
     for r in cost["report"]["rows"]:
         print(f"| {r['swap_times']} | {r['num_arenas']} | {r['resident_share']:.1%} | {r['predicted_ms']:.2f} | "
               f"{r['measured_ms']:.2f} | {r['ratio']:.2f} |")
+host = stages.get("host-overhead", {}).get("report") or {}
+if "step" in host and "forward" in host:
+    print("\nhost overhead (issue 32): ratio to the plain run, median (min) of the rounds")
+    for r in host["step"]:
+        print(f"  step() {r['shapes']}, {r['path']}: {r['ratio']['median']:.2f} ({r['ratio']['min']:.2f}), "
+              f"{r['extra_us_per_param']:.1f} us a param, {r['extra_us_per_batch']:.1f} us a batch")
+    for r in host["forward"]:
+        print(f"  forward, {r['situation']}: {r['ratio']['median']:.2f} ({r['ratio']['min']:.2f}), "
+              f"{r['extra_us_per_module_call']:.1f} us a module call")
 auto = stages.get("auto-budget", {})
 if "budget_bytes" in auto:
     print(f"\nauto budget: {auto['budget_bytes'] / 2**30:.2f} GiB from {auto['free_bytes'] / 2**30:.2f} GiB free, "
@@ -727,6 +737,15 @@ stage bench-overlap 35 bench.log "$PY" -P -m swap_optimizer.bench "${OVERLAP[@]}
   --json "$WORK/bench-overlap.json" --timeline "$OUT/timeline_overlap.png"
 stage --needs "$WORK/bench-overlap.json" overlap-memory 3 bench.log "$PY" -P "$memory_check" "$WORK/bench-overlap.json"
 stage cost-model 15 bench.log "$PY" -P "$cost_check" cuda 4194304 "$WORK/cost-model.json"
+# What the host costs around the update and the forward on a launch-bound GPU
+# (issue 32): step() of torch's update path for AdamW and SGD over GPT-2 124M's
+# tensors shrunk, against the wrapped optimizer alone, and overlap's checks
+# against the plain forward of a model of tiny ops.
+HOST=(
+  --device cuda --host-overhead --rounds 3 --repeats 10 --shape-sets "GPT-2 124M shrunk"
+  --paths "AdamW foreach (torch's update);SGD momentum foreach"
+)
+stage host-overhead 15 bench.log "$PY" -P -m swap_optimizer.bench "${HOST[@]}" --json "$WORK/host-overhead.json"
 
 # 5. Sanitizers, last: a host that refuses them loses nothing above.
 stage --refusable memcheck 30 sanitizers.log compute-sanitizer --tool memcheck --error-exitcode 3 \

@@ -4,7 +4,7 @@ checked here, where no GPU is.
 Statically: it imports the installed build (python -P, never the source
 folder, which has no extension), requires the CUDA kernels, runs its stages in
 the order of what they prove (build and devices, the main job, the parity set,
-the benchmarks, the sanitizers last) with limits that add up to 6 minutes at
+the benchmarks, the sanitizers last) with limits that add up to 6.5 minutes at
 most, the build included, names parity tests that exist (collected here) and
 covers each optimizer family and mode with them, runs the delay tests on their
 own, racechecks only the 8-bit kernel, gives the benchmark arguments it
@@ -41,7 +41,8 @@ SCRIPT = SCRIPT_PATH.read_text()
 # The order the stages prove things in: the build and the devices, the main
 # job, the parity set, the benchmarks, the sanitizers last.
 STAGE_GROUPS = [["build", "import", "devices"], ["main-job"], ["parity", "parity-delays", "auto-budget"],
-                ["bench-bf16", "bench-overlap", "overlap-memory", "cost-model"], ["memcheck", "racecheck"]]
+                ["bench-bf16", "bench-overlap", "overlap-memory", "cost-model", "host-overhead"],
+                ["memcheck", "racecheck"]]
 STAGE_ORDER = [name for group in STAGE_GROUPS for name in group]
 SANITIZERS = ["memcheck", "racecheck"]
 
@@ -109,12 +110,13 @@ def test_it_requires_the_cuda_kernels_and_reports_what_it_ran_on(tmp_path):
     assert figures["torch"] and "cuda" in figures and figures["build_info"]["cuda_kernels"] is True
 
 
-def test_its_stages_run_in_order_and_their_limits_fit_in_six_minutes():
+def test_its_stages_run_in_order_and_their_limits_fit_in_six_and_a_half_minutes():
     stages = stage_lines()
     assert [name for name, _, _ in stages] == STAGE_ORDER
     limits = {name: limit for name, limit, _ in stages}
-    # Under 360 s with 10 s for what runs outside stages (nvidia-smi, the bookkeeping, the summary).
-    assert sum(limits.values()) <= 350, limits
+    # Under 390 s with 10 s for what runs outside stages (nvidia-smi, the bookkeeping, the summary): a
+    # rerun still fits the 15 minutes with a machine start of 1-2 minutes.
+    assert sum(limits.values()) <= 380, limits
     assert f"LIMITS_SUM={sum(limits.values())}\n" in SCRIPT
     # The header lists the same stages and limits, in the same order.
     header = re.findall(r"^#\s+(?:\d\.\s+)?([a-z0-9-]+)\s+(\d+) s  ", SCRIPT.split("set -uo pipefail")[0], flags=re.M)
@@ -182,7 +184,7 @@ def bench_invocations() -> dict[str, list[str]]:
 
 def test_its_benchmark_arguments_pass_the_benchmarks_own_checks():
     invocations = bench_invocations()
-    assert list(invocations) == ["main-job", "bench-bf16", "bench-overlap"]
+    assert list(invocations) == ["main-job", "bench-bf16", "bench-overlap", "host-overhead"]
     for name, words in invocations.items():
         p = parser()
         args = p.parse_args(words)
