@@ -73,7 +73,7 @@ class _Watch:
     # Held while the hooks go on or off. An overlap becomes busy before it
     # arms them (after_step), and disarm checks every overlap under this lock,
     # so a pass that begins meanwhile always finds them on.
-    arming = threading.Lock()
+    arming = threading.RLock()  # (reentrant: a collection inside arm() may finalize an optimizer, which disarms)
 
     @classmethod
     def register(cls, overlap: Overlap) -> None:
@@ -101,8 +101,12 @@ class _Watch:
     @classmethod
     def disarm_if_idle(cls) -> None:
         """Takes the global hooks off once no overlap is busy and no stray
-        waits for its thread. (torch copies the hooks before it calls them:
-        taking them off inside one is safe.)"""
+        waits for its thread. torch copies the hooks before it calls them, so
+        taking them off inside a pre-hook is safe; never from the always-called
+        post hook, which torch's error path calls while it iterates the live
+        dict. (Another thread's forward in that error path at the same moment
+        would see the dict change: torch then raises its own RuntimeError,
+        chained to the error being raised.)"""
         with cls.arming:
             if not cls.handles or cls.strays or any(overlap.busy() for overlap in cls.overlaps):
                 return
@@ -199,7 +203,7 @@ def finish_before_exit() -> None:
 def hooks_suspended():
     """Benchmark only: the global hooks removed for a while (the forward as
     without any overlapping optimizer); nothing may be pending meanwhile."""
-    if any(overlap.pending or overlap.probing for overlap in _Watch.overlaps):
+    if any(overlap.pending or overlap.probing or overlap.orphaned for overlap in _Watch.overlaps):
         raise RuntimeError("hooks_suspended(): a step is pending or a probe runs; wait() first")
     with _Watch.arming:
         handles, _Watch.handles = _Watch.handles, []

@@ -438,8 +438,11 @@ class ForwardOverlap:
             _remove_mode(watch)
             watch.thread = None
 
-    def _tidy(self) -> None:
-        if self.orphaned and not self.pending and threading.get_ident() == self.owner:
+    def _tidy(self, may_unregister: bool = True) -> None:
+        """Unregisters an orphaned pass whose step is done (not from the
+        post hook: see _Watch.disarm_if_idle), or takes a watch left on this
+        thread's stack off."""
+        if may_unregister and self.orphaned and not self.pending and threading.get_ident() == self.owner:
             self.orphaned = False  # its step is done (finish_orphaned_step): nothing left to wait for
             _Watch.unregister(self)
         elif self._watch.thread is not None and not (self.pending or self.probing):
@@ -565,7 +568,7 @@ class ForwardOverlap:
 
     def on_return(self, module: nn.Module) -> None:
         """A module call returned (the global always-called forward hook)."""
-        self._tidy()
+        self._tidy(may_unregister=False)
         if id(module) not in self._modules or threading.get_ident() != self.owner:
             return
         with self._lock:

@@ -316,6 +316,88 @@ def test_a_torch_without_the_private_apis_it_needs_is_refused_naming_them(monkey
         make_optimizer(build(torch.device("cpu")), True, torch.device("cpu"))
 
 
+GC_INSIDE_ARM = r"""
+import gc, sys
+sys.path.insert(0, sys.argv[1])
+import conftest  # noqa: F401  (puts the tests' folders on sys.path)
+import torch
+import swap_optimizer as so
+from swap_optimizer.overlap import hooks
+from test_overlap import build
+
+def make_cycle():  # an overlapping optimizer that only the cyclic collector frees
+    model = build(torch.device("cpu"))
+    optimizer = so.SwapOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), swap_times=2, min_numel=0,
+                                 model=model, overlap_forward=True)
+    optimizer.me = optimizer
+
+gc.disable()
+make_cycle()
+register = hooks.nn.modules.module.register_module_forward_pre_hook
+def collecting(*args, **kwargs):  # a collection that an allocation inside arm() triggers
+    gc.collect()
+    return register(*args, **kwargs)
+hooks.nn.modules.module.register_module_forward_pre_hook = collecting
+hooks._Watch.arm()
+print("armed", len(hooks._Watch.overlaps))
+"""
+
+
+def test_a_collection_inside_arm_that_drops_an_optimizer_does_not_hang(tmp_path):
+    """A garbage collection while the hooks go on may finalize an overlapping
+    optimizer held in a reference cycle; its finalizer takes the hooks off
+    on the same thread: the lock they share is reentrant (it hung)."""
+    import subprocess
+    import sys
+
+    import conftest
+    script = tmp_path / "gc_inside_arm.py"
+    script.write_text(GC_INSIDE_ARM)
+    result = subprocess.run([sys.executable, str(script), str(conftest.TESTS)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and "armed 0" in result.stdout, result.stdout + result.stderr
+
+
+def test_an_error_in_the_forward_after_an_orphaned_step_lands_stays_the_users():
+    """An orphaned pass (its optimizer collected while its step ran) whose step
+    lands inside a forward that then raises: the user's error comes out, not
+    torch's "mutated during iteration" (the always-called post hook never
+    takes the hooks off; the next pre-hook or wait does)."""
+    from torch.nn.modules import module
+
+    device = torch.device("cpu")
+    model = build(device)
+    optimizer = make_optimizer(model, True, device)
+    train(model, optimizer, 2, device, "plain")
+    overlap = optimizer._overlap
+    assert overlap.pending
+    extra = module.register_module_forward_hook(lambda *args: None)  # another global hook (a profiler's)
+    layer = model.encoder.layers[0]
+    layer_forward = layer.forward
+
+    def failing(*args, **kwargs):
+        assert overlap.pending, "the pass is still pending here"
+        overlap._pending_runtime.wait_step()  # as the orphaned pass's own thread does
+        overlap.orphan()
+        overlap.pending = False
+        raise ValueError("the user's error")
+
+    layer.forward = failing
+    try:
+        with pytest.raises(ValueError, match="the user's error"):
+            model(tokens_for(0, device))
+    finally:
+        extra.remove()
+        layer.forward = layer_forward
+    model(tokens_for(1, device))  # the next pre-hook unregisters the orphaned pass
+    assert overlap not in overlap_module_watch().overlaps
+
+
+def overlap_module_watch():
+    from swap_optimizer.overlap.hooks import _Watch
+    return _Watch
+
+
 # CPU only: on CUDA the compiled path is the same whole-step wait() the other
 # CUDA tests drive, and two compiles would take much of the GPU check's budget.
 def test_compiled_model_waits_once_at_entry():
