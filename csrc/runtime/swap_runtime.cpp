@@ -283,22 +283,15 @@ std::vector<RowViews> SwapRuntime::arena_views(int64_t batch, const at::Tensor& 
       const int64_t offset = row.arena_offset[key];
       if (offset == kNoOffset) continue;
       const StateDescription& description = descriptions_[row.slot][key];
-      const StateLayout& state = spec.states[key];
-      std::vector<int64_t> shape = description.shape;
-      if (!whole) {  // a piece: its elements, or the blocks they start (cuts fall on whole blocks)
-        shape = {state.kind == StateKind::kPerBlock ? (row.count + state.block_elements - 1) / state.block_elements
-                                                    : row.count};
-      }
-      std::vector<int64_t> strides(shape.size(), 1);
-      int64_t numel = 1;
-      for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {
-        strides[d] = numel;
-        numel *= shape[d];
-      }
+      const int64_t bytes = key_bytes(spec, key, row.count);
       const int64_t element = static_cast<int64_t>(c10::elementSize(description.dtype));
       // (as_strided checks against the arena's storage, which a rotating arena shares with the others)
-      TORCH_CHECK(offset % element == 0 && offset + numel * element <= arena.numel(),
+      TORCH_CHECK(offset % element == 0 && offset + bytes <= arena.numel(),
                   "SwapRuntime: state '", description.name, "' of batch ", batch, " lies outside its arena or is misaligned");
+      // A piece's view is flat: its elements, or the blocks they start (cuts fall on whole blocks).
+      const std::vector<int64_t> shape = whole ? description.shape : std::vector<int64_t>{bytes / element};
+      std::vector<int64_t> strides(shape.size(), 1);
+      for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
       const at::Tensor typed = typed_arena(description.dtype);
       views[r].emplace_back(description.name, typed.as_strided(shape, strides, typed.storage_offset() + offset / element));
     }

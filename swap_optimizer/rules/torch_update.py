@@ -471,15 +471,12 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
         if had_state:
             entry = {name: views[name] for name in plan.exact}
             if plan.scalars_in:
-                before = step.scalars_before.get(index)
-                if before is None:  # a whole param: torch's step advances its kept scalars
-                    scalars = step.scalars[index]
-                    for name in plan.scalars_in:
-                        entry[name] = scalars[name]
-                else:  # each piece of a split param starts from the scalars at step()
-                    for name in plan.scalars_in:
-                        value = before[name]
-                        entry[name] = value.clone() if torch.is_tensor(value) else value
+                # A whole param's kept scalars are advanced by torch's step itself;
+                # each piece of a split param starts from a copy of those at step().
+                before, split = _scalars_before(step, index), index in step.scalars_before
+                for name in plan.scalars_in:
+                    value = before[name]
+                    entry[name] = value.clone() if split and torch.is_tensor(value) else value
             for kept in plan.coded:  # decoded below, one call per batch
                 if codec is None:
                     codec = BatchCodec(arena.device, step.rounding_seed)
@@ -835,7 +832,7 @@ class TorchUpdateRule:
         self._batch_layout = runtime.batch_layout()
         self._row_plans = [_row_plan(specs, p.numel()) for specs, p in zip(layouts, locals_)]
         self._split_params = sorted({index for batch in self._batch_layout for index, _, count in batch["pieces"]
-                                     if count != locals_[index].numel()})
+                                     if count != self._row_plans[index].numel})
         opt._param_ids = [id(p) for p in params]
         opt._group_sizes = [len(g["params"]) for g in opt.param_groups]
         opt._data_pointers = [_local(p).data_ptr() for p in params]
@@ -1025,10 +1022,10 @@ class TorchUpdateRule:
         grads = [p.grad for p in params]
         if self._dtensors:
             grads = [None if grad is None else _local(grad) for grad in grads]
-        if any(grad is not None and grad.is_sparse for grad in grads):
-            raise RuntimeError(f"SwapOptimizer: param {next(i for i, g in enumerate(grads) if g is not None and g.is_sparse)} "
-                               f"has a sparse gradient; {type(self.optimizer).__name__} runs on dense grads here "
-                               "(torch.optim.SparseAdam is the optimizer for sparse ones)")
+        sparse = next((i for i, grad in enumerate(grads) if grad is not None and grad.is_sparse), None)
+        if sparse is not None:
+            raise RuntimeError(f"SwapOptimizer: param {sparse} has a sparse gradient; {type(self.optimizer).__name__} "
+                               "runs on dense grads here (torch.optim.SparseAdam is the optimizer for sparse ones)")
         self._sync_edits(opt, params)
         self._zero_written_compensation(opt, written)
         opt._settle_budget_choice()
@@ -1143,8 +1140,7 @@ class TorchUpdateRule:
                 break
         else:
             return
-        opt._synchronize()
-        self._lay_out(opt, {p: _copied(state[p]) for p in params if state.get(p)})
+        self._lay_out(opt, self._kept_state(opt))
 
     def _note_param_versions(self, params: list) -> None:
         """Remembers the version counter of each param with a Kahan compensation."""
