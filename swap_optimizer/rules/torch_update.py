@@ -28,6 +28,7 @@ from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, EIGHT_BIT, Batch
                              encode_exact, form_for, kahan_applies, kahan_round, kahan_stand_in,
                              scratch_bytes_per_element, store_keys, update_dtype, warn_if_no_16_bit)
 from .declarations import (DECLARATIONS, ELEMENT, SCALAR, WHOLE, Declaration, estimated_temporaries)
+from .functional import FunctionalUpdate, NotReady, functional_update_for
 
 
 
@@ -419,6 +420,10 @@ class _StepContext:
     rounding_seed: Optional[int] = None     # bf16 states: the stochastic rounding's seed
     global_offsets: Optional[list] = None   # bf16 states: per param, its first element's index in the whole
     scalars_replaced: set = field(default_factory=set)  # the params whose kept scalars are new objects
+    # torch's functional update and, per group, its keywords from step_groups
+    # (None: each batch runs the class's step(); see rules/functional.py)
+    functional: Optional[FunctionalUpdate] = None
+    functional_keywords: Optional[list[dict]] = None
 
 
 class _BatchRule:
@@ -446,6 +451,8 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
     of a cut one) becomes a param of its group with its staged views (the
     runtime's, by store key) as its state; torch's call creates or replaces
     states at a param's first step, which are then copied into the arena."""
+    if step.functional is not None and _functional_batch(step, batch, params, grads, row_views):
+        return
     groups: dict[int, list[torch.Tensor]] = {}
     state: dict[torch.Tensor, dict] = {}
     rows = []
@@ -546,6 +553,55 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
         codec.encode()
 
 
+def _functional_batch(step: _StepContext, batch: int, params: list[torch.Tensor],
+                      grads: list[Optional[torch.Tensor]], row_views: list[dict]) -> bool:
+    """One batch of `step` by torch's functional update, called as the
+    class's step() calls it, with the rows, their grads and their staged
+    views as its lists. False, with nothing written, where a row has no
+    states yet or the call would differ from step()'s (NotReady): the batch
+    then runs step(). Every row's states are views or kept scalars updated
+    in place, so a whole param needs nothing after the call; a split param's
+    pieces start from copies of its scalars, the last one's kept."""
+    calls: dict[int, tuple[list, list, list]] = {}  # per group: its rows, their grads, their states by name
+    last_pieces = []  # (param, its scalars after the update) for each split param's last piece
+    with torch.no_grad():  # (a deferred step's batches run on the runtime's thread)
+        for (index, offset, count), param, grad, views in zip(step.batch_layout[batch]["pieces"], params, grads,
+                                                              row_views):
+            if grad is None:
+                continue
+            if not step.had_state[index]:
+                return False
+            plan = step.row_plans[index]
+            scalars = step.scalars[index]
+            if count != plan.numel:  # a piece: only contiguous params are cut
+                param = param.view(-1)[offset:offset + count]
+                grad = grad.reshape(-1)[offset:offset + count]
+                scalars = {name: value.clone() if torch.is_tensor(value) else value
+                           for name, value in _scalars_before(step, index).items()}
+                if offset + count == plan.numel:
+                    last_pieces.append((index, scalars))
+            call = calls.get(step.group_of[index])
+            if call is None:
+                call = calls[step.group_of[index]] = ([], [], [])
+            call[0].append(param)
+            call[1].append(grad)
+            call[2].append({**views, **scalars} if scalars else views)
+        if not calls:
+            return True
+        try:
+            ready = [(g, rows, row_grads, step.functional.lists_of(step.step_groups[g], entries))
+                     for g, (rows, row_grads, entries) in sorted(calls.items())]
+        except NotReady:
+            return False
+        for g, rows, row_grads, lists in ready:
+            step.functional(step.functional_keywords[g], rows, row_grads, lists, step.grad_scale)
+    for index, scalars in last_pieces:  # the param's scalars after the step, as torch keeps them
+        for name, value in scalars.items():
+            if _keep_scalar(step.scalars[index], name, value):
+                step.scalars_replaced.add(index)
+    return True
+
+
 def _refuse_states(step: _StepContext, index: int, what: str) -> None:
     """Raises: torch's step left param `index` with other states than its
     layout's (`what`, whose {source} says where the layout came from)."""
@@ -631,6 +687,8 @@ class TorchUpdateRule:
         self._views: Optional[list[dict]] = None
         self._batch_rule: Optional[_BatchRule] = None
         self._pending: Optional[tuple] = None  # what a deferred step leaves for its wait (step_waited)
+        # torch's functional update, called with each batch's lists (rules/functional.py); None: step() runs
+        self._functional = None if self.learning else functional_update_for(optimizer)
 
     # ------------------------------------------------------- settings
     def check_wrap(self, config: SwapOptimizerConfig) -> None:
@@ -831,6 +889,8 @@ class TorchUpdateRule:
         self._shown = shown
         self._batch_layout = runtime.batch_layout()
         self._row_plans = [_row_plan(specs, p.numel()) for specs, p in zip(layouts, locals_)]
+        # torch's functional update takes the staged views as they are: no compact state, no Kahan
+        self._functional_fits = not any(plan.kahan or plan.coded for plan in self._row_plans)
         self._split_params = sorted({index for batch in self._batch_layout for index, _, count in batch["pieces"]
                                      if count != self._row_plans[index].numel})
         opt._param_ids = [id(p) for p in params]
@@ -1068,6 +1128,9 @@ class TorchUpdateRule:
                     grad_scale={name: _fresh(value) for name, value in amp.items()},
                     group_writes=writes, rounding_seed=getattr(self, "_rounding_seed", None),
                     global_offsets=self._global_offsets)
+                if self._functional is not None and writes is None and self._functional_fits:
+                    context.functional = self._functional
+                    context.functional_keywords = [self._functional.keywords(g) for g in self._step_groups]
                 streamed = [None if i in first else grad for i, grad in enumerate(grads)]
                 if opt._overlap is not None:
                     opt._overlap.before_step(deferred)

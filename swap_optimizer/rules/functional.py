@@ -1,0 +1,176 @@
+"""torch's functional updates (torch.optim.sgd.sgd, adam.adam, ...), called
+with a batch's lists ready, instead of the class's step() on a stand-in.
+
+Each torch.optim class's step() is the same two moves per param group: its
+_init_group walks the params in Python (creating states at a first step,
+collecting grads and states into lists), then one call of the functional
+update with those lists and the group's values. After a param's first step
+the walk only collects: the lists are the batch's rows and their staged
+views, which _update_batch has already. Calling the functional update with
+them skips a stand-in optimizer, step()'s wrappers and the walk, about 30 µs
+of Python a batch: on a GPU, where a batch's update takes microseconds, that
+is what bounds the step.
+
+The call is the one step() makes, argument for argument, so the results stay
+torch's bit for bit (the parity tests of every implementation run this path
+after the first step). It is only taken where that is known to hold:
+- the class's step() is the one the call was written for, and the function
+  it calls is the one here (a subclass with its own step, or a torch whose
+  step calls another function, runs step());
+- the function's parameters are exactly those written for (torch 2.13 and
+  2.14 checked here; the GPU check runs the parity tests on 2.11);
+- the optimizer's settings (its defaults) are all ones the call passes or
+  step() reads only to create states: a setting a later torch adds runs
+  step();
+- every row has its states (a first step creates them: step() runs it).
+  _init_group's one check of a group value (Adam's tensor lr with foreach)
+  is made by the function too.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+# A list a functional update takes: (the state each row holds in it; when the
+# list is filled, from the group's values (None: always); otherwise step()
+# hands an empty list).
+ListSpec = tuple[str, Optional[Callable[[dict], bool]]]
+# A value it takes from the group: a key, or (keyword, key, index) for a pair
+# step() unpacks (betas into beta1 and beta2).
+OptionSpec = Any
+
+_EXTRAS = ("has_complex", "has_sparse_grad", "grad_scale", "found_inf")
+
+
+class NotReady(Exception):
+    """This batch cannot take the functional call: step() runs it instead
+    (nothing has been written)."""
+
+
+@dataclass(frozen=True)
+class FunctionalUpdate:
+    owner: type                      # the class whose step() makes this call
+    function: Callable               # torch's functional update
+    lists: tuple[ListSpec, ...]      # the state lists, in the call's order
+    options: dict[str, tuple[str, Optional[int]]]  # keyword -> (group key, index in a pair or None)
+    extras: frozenset                # which of _EXTRAS the call passes
+    init_only: frozenset             # settings step() reads only to create a param's states
+
+    def accepts(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer`'s step() makes this call with these settings."""
+        read = {key for key, _ in self.options.values()}
+        # (differentiable: step()'s grad mode; SwapOptimizer refuses differentiable=True)
+        return (inspect.unwrap(type(optimizer).step) is inspect.unwrap(self.owner.step)
+                and set(optimizer.defaults) <= read | self.init_only | {"differentiable"}
+                and read <= set(optimizer.defaults))
+
+    def keywords(self, group: dict) -> dict:
+        """The group's values as the call takes them (once per step and group)."""
+        return {keyword: group[key] if index is None else group[key][index]
+                for keyword, (key, index) in self.options.items()}
+
+    def lists_of(self, group: dict, entries: list) -> list[list]:
+        """The call's state lists over `entries` (per row, its states by name).
+        Raises NotReady where a row lacks a state the call reads."""
+        try:
+            return [[entry[name] for entry in entries] if when is None or when(group) else []
+                    for name, when in self.lists]
+        except KeyError:
+            raise NotReady from None
+
+    def __call__(self, keywords: dict, params: list, grads: list, lists: list[list], amp: dict) -> None:
+        extras = {}
+        if "has_complex" in self.extras:
+            extras["has_complex"] = any(map(torch.is_complex, params))
+        if "has_sparse_grad" in self.extras:
+            extras["has_sparse_grad"] = False  # SwapOptimizer refuses sparse grads
+        if "grad_scale" in self.extras:
+            extras["grad_scale"], extras["found_inf"] = amp.get("grad_scale"), amp.get("found_inf")
+        self.function(params, grads, *lists, **keywords, **extras)
+
+
+def _functional(owner: type, name: str, lists: tuple[ListSpec, ...], options: tuple[OptionSpec, ...],
+                extras: tuple[str, ...], init_only: tuple[str, ...] = ()) -> Optional[FunctionalUpdate]:
+    """The FunctionalUpdate of `owner` calling its module's `name`, or None
+    where this torch's differs from what it was written for."""
+    step = inspect.unwrap(owner.step)
+    function = step.__globals__.get(name)
+    if function is None or name not in step.__code__.co_names:
+        return None
+    keywords = {}
+    for option in options:
+        keyword, key, index = (option, option, None) if isinstance(option, str) else option
+        keywords[keyword] = (key, index)
+    try:
+        parameters = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None
+    positional = 2 + len(lists)
+    if len(parameters) < positional or set(parameters[positional:]) != set(keywords) | set(extras) or \
+            not set(extras) <= set(_EXTRAS) or ("grad_scale" in extras) != ("found_inf" in extras):
+        return None
+    return FunctionalUpdate(owner, function, lists, keywords, frozenset(extras), frozenset(init_only))
+
+
+_BETAS = (("beta1", "betas", 0), ("beta2", "betas", 1))
+_AMP = ("grad_scale", "found_inf")
+
+# Per class: its step()'s call, as torch 2.13 and 2.14 write it.
+FUNCTIONAL_UPDATES: dict[type, Optional[FunctionalUpdate]] = {
+    torch.optim.SGD: _functional(
+        torch.optim.SGD, "sgd", (("momentum_buffer", lambda group: group["momentum"] != 0),),
+        ("weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize", "foreach", "fused"),
+        ("has_sparse_grad", *_AMP)),
+    torch.optim.Adam: _functional(
+        torch.optim.Adam, "adam",
+        (("exp_avg", None), ("exp_avg_sq", None), ("max_exp_avg_sq", lambda group: group["amsgrad"]), ("step", None)),
+        ("amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable", "fused",
+         "decoupled_weight_decay", *_BETAS), ("has_complex", *_AMP)),
+    torch.optim.NAdam: _functional(
+        torch.optim.NAdam, "nadam", (("exp_avg", None), ("exp_avg_sq", None), ("mu_product", None), ("step", None)),
+        ("lr", "weight_decay", "momentum_decay", "eps", "maximize", "decoupled_weight_decay", "foreach", "capturable",
+         "differentiable", *_BETAS), ("has_complex",)),
+    torch.optim.RAdam: _functional(
+        torch.optim.RAdam, "radam", (("exp_avg", None), ("exp_avg_sq", None), ("step", None)),
+        ("lr", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable", "decoupled_weight_decay",
+         *_BETAS), ("has_complex",)),
+    torch.optim.Adamax: _functional(
+        torch.optim.Adamax, "adamax", (("exp_avg", None), ("exp_inf", None), ("step", None)),
+        ("eps", "lr", "weight_decay", "foreach", "maximize", "differentiable", "capturable", *_BETAS),
+        ("has_complex",)),
+    torch.optim.Adagrad: _functional(
+        torch.optim.Adagrad, "adagrad", (("sum", None), ("step", None)),
+        ("lr", "weight_decay", "lr_decay", "eps", "foreach", "maximize", "differentiable", "fused"),
+        ("has_sparse_grad", "has_complex", *_AMP), init_only=("initial_accumulator_value",)),
+    torch.optim.RMSprop: _functional(
+        torch.optim.RMSprop, "rmsprop",
+        (("square_avg", None), ("grad_avg", lambda group: group["centered"]),
+         ("momentum_buffer", lambda group: group["momentum"] > 0), ("step", None)),
+        ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "foreach", "maximize", "differentiable",
+         "capturable"), ("has_complex",)),
+    torch.optim.Adadelta: _functional(
+        torch.optim.Adadelta, "adadelta", (("square_avg", None), ("acc_delta", None), ("step", None)),
+        ("lr", "rho", "eps", "weight_decay", "foreach", "maximize", "differentiable", "capturable"), ("has_complex",)),
+    torch.optim.ASGD: _functional(
+        torch.optim.ASGD, "asgd", (("ax", None), ("mu", None), ("eta", None), ("step", None)),
+        ("lambd", "lr", "t0", "alpha", "weight_decay", "foreach", "maximize", "differentiable", "capturable"),
+        ("has_complex",)),
+    torch.optim.Rprop: _functional(
+        torch.optim.Rprop, "rprop", (("prev", None), ("step_size", None), ("step", None)),
+        (("step_size_min", "step_sizes", 0), ("step_size_max", "step_sizes", 1), ("etaminus", "etas", 0),
+         ("etaplus", "etas", 1), "foreach", "maximize", "differentiable", "capturable"),
+        ("has_complex",), init_only=("lr",)),
+}
+
+
+def functional_update_for(optimizer: torch.optim.Optimizer) -> Optional[FunctionalUpdate]:
+    """The functional call `optimizer`'s step() makes, where it is known to
+    be exactly that (see the module's doc); None: its step() runs."""
+    for update in FUNCTIONAL_UPDATES.values():
+        if update is not None and update.accepts(optimizer):
+            return update
+    return None

@@ -1,0 +1,146 @@
+"""After a param's first step, each batch calls torch's functional update
+(torch.optim.sgd.sgd, adam.adam, ...) with its lists ready, as the class's
+step() would call it (swap_optimizer/rules/functional.py); where that call
+cannot be proven the one step() makes, step() runs. The parity of every
+implementation (test_rules.py, test_optimizer_capabilities.py) covers its
+numbers; these tests cover which path runs, and the fallbacks."""
+
+import pytest
+import torch
+from torch import nn
+
+import swap_optimizer as so
+from swap_optimizer.rules import functional, torch_update
+from swap_optimizer.rules.functional import FUNCTIONAL_UPDATES, FunctionalUpdate, functional_update_for
+from pairs import assert_same_state, give_grads, same_bits
+from test_rules import first_variant, make_params
+
+NAMES = sorted(cls.__name__ for cls in FUNCTIONAL_UPDATES)
+CHECKED_TORCH = ("2.13", "2.14")  # the versions the calls were written against (the module's doc)
+
+
+def test_every_call_is_known_on_the_checked_torch_versions():
+    version = ".".join(torch.__version__.split(".")[:2])
+    if version not in CHECKED_TORCH:
+        pytest.skip(f"torch {torch.__version__}: the calls were written against {CHECKED_TORCH}; here the ones whose "
+                    "signatures differ run step() (exact, slower)")
+    assert [cls.__name__ for cls, update in FUNCTIONAL_UPDATES.items() if update is None] == []
+    assert functional_update_for(torch.optim.AdamW([nn.Parameter(torch.randn(2))])) is FUNCTIONAL_UPDATES[
+        torch.optim.Adam]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts of the two paths: torch's functional call, the class's step() on a stand-in."""
+    counts = {"functional": 0, "step": 0}
+    functional_call, torch_step = FunctionalUpdate.__call__, torch_update.run_torch_update
+
+    def counted_functional(self, *args, **kwargs):
+        counts["functional"] += 1
+        return functional_call(self, *args, **kwargs)
+
+    def counted_step(*args, **kwargs):
+        counts["step"] += 1
+        return torch_step(*args, **kwargs)
+
+    monkeypatch.setattr(FunctionalUpdate, "__call__", counted_functional)
+    monkeypatch.setattr(torch_update, "run_torch_update", counted_step)
+    return counts
+
+
+def _pair(name, swap_times, **kwargs):
+    cls = getattr(torch.optim, name)
+    kwargs = dict(first_variant(name), **kwargs)
+    a, b = make_params(name), make_params(name)
+    return a, b, cls(a, **kwargs), so.SwapOptimizer(cls(b, **kwargs), swap_times=swap_times, min_numel=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_after_the_first_step_every_batch_calls_the_functional_update(name, calls):
+    a, b, plain, swapped = _pair(name, swap_times=4)
+    # A first step creates the states: the class's step() runs it (Adagrad's
+    # constructor creates them, so its first step calls the function too).
+    first_by_step = name != "Adagrad"
+    for step in range(4):
+        give_grads(step, a, b)
+        plain.step()
+        swapped.step()
+        if step == 0:
+            assert calls == ({"functional": 0, "step": 4} if first_by_step else {"functional": 4, "step": 0})
+    assert calls["step"] == (4 if first_by_step else 0) and calls["functional"] >= (3 if first_by_step else 4) * 4
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
+
+
+@pytest.mark.parametrize("name", ["SGD", "NAdam"])
+def test_a_batch_with_a_param_at_its_first_step_runs_step(name, calls):
+    """A param whose grad first comes at a later step: its batch runs step()
+    (creating its states), the others the functional call."""
+    a, b, plain, swapped = _pair(name, swap_times=4)
+    late = 2  # its own batch's neighbour: SHAPES[2] is a small param
+    for step in range(5):
+        give_grads(step, a, b)
+        if step < 3:
+            a[late].grad = b[late].grad = None
+        plain.step()
+        swapped.step()
+    assert calls["step"] > 4 and calls["functional"] > 0
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
+
+
+class _OwnStepSGD(torch.optim.SGD):
+    @torch.no_grad()
+    def step(self, closure=None):  # a subclass's step may do anything: it runs itself
+        return super().step(closure)
+
+
+class _ExtraSettingSGD(torch.optim.SGD):
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.defaults["trust_ratio"] = 0.5  # a setting the functional call was not written for
+
+
+def test_a_subclass_or_an_unknown_setting_runs_step():
+    params = [nn.Parameter(torch.randn(3))]
+    assert functional_update_for(torch.optim.SGD(params, lr=0.1)) is FUNCTIONAL_UPDATES[torch.optim.SGD]
+    assert functional_update_for(_OwnStepSGD(params, lr=0.1)) is None
+    assert functional_update_for(_ExtraSettingSGD(params, lr=0.1)) is None
+
+
+def made_up_update(params, grads, buffers, *, lr, beta):
+    for p, g in zip(params, grads):
+        p.add_(g, alpha=-lr)
+
+
+class _MadeUp(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.1, beta=0.5):
+        super().__init__(params, dict(lr=lr, beta=beta))
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            made_up_update(group["params"], [p.grad for p in group["params"]], [], lr=group["lr"], beta=group["beta"])
+
+
+def test_a_call_whose_signature_differs_from_what_it_was_written_for_is_not_made():
+    matching = functional._functional(_MadeUp, "made_up_update", (("buffer", None),), ("lr", "beta"), ())
+    assert matching is not None and matching.accepts(_MadeUp([nn.Parameter(torch.randn(2))]))
+    # a keyword this torch's function takes and the declaration does not pass; a list too many; another name
+    assert functional._functional(_MadeUp, "made_up_update", (("buffer", None),), ("lr",), ()) is None
+    assert functional._functional(_MadeUp, "made_up_update", (("buffer", None), ("other", None)), ("lr", "beta"),
+                                  ()) is None
+    assert functional._functional(_MadeUp, "sgd", (("buffer", None),), ("lr", "beta"), ()) is None
+
+
+def test_a_tensor_lr_with_foreach_raises_torchs_own_error(calls):
+    """Adam's _init_group refuses a tensor lr with foreach and not
+    capturable; so does the functional call, in the same words."""
+    a, b, plain, swapped = _pair("Adam", swap_times=2, foreach=True)
+    for step in range(2):
+        give_grads(step, a, b)
+        swapped.step()
+    swapped.param_groups[0]["lr"] = torch.tensor(1e-3)
+    give_grads(2, a, b)
+    with pytest.raises(RuntimeError, match="lr as a Tensor is not supported for capturable=False and foreach=True"):
+        swapped.step()
+
