@@ -1097,8 +1097,9 @@ class TorchUpdateRule:
         writes = self._step_writes(opt)
         # A vouched-for optimizer's params without state yet are updated whole,
         # one at a time, to learn what they keep; the others go through the store.
-        first = [i for i, grad in enumerate(grads) if grad is not None and self.learning
-                 and (not self._shown[i] or id(params[i]) in self._not_updated) and id(params[i]) not in self._stateless]
+        first = [i for i, grad in enumerate(grads) if grad is not None
+                 and (not self._shown[i] or id(params[i]) in self._not_updated)
+                 and id(params[i]) not in self._stateless] if self.learning else []
         # overlap_forward: the step may run beside the next forward once the
         # probe has made a plan, unless a param steps for the first time (its
         # states and scalars appear during the step) or the rule says no (a
@@ -1131,7 +1132,7 @@ class TorchUpdateRule:
                 if self._functional is not None and writes is None and self._functional_fits:
                     context.functional = self._functional
                     context.functional_keywords = [self._functional.keywords(g) for g in self._step_groups]
-                streamed = [None if i in first else grad for i, grad in enumerate(grads)]
+                streamed = [None if i in first else grad for i, grad in enumerate(grads)] if first else grads
                 if opt._overlap is not None:
                     opt._overlap.before_step(deferred)
                 opt._runtime.step(locals_, streamed, [], None, None, deferred=deferred)
@@ -1146,12 +1147,14 @@ class TorchUpdateRule:
                 if self.learning and not deferred:  # done: the context need not outlive it
                     self._batch_rule.step = None
             state = opt.__dict__["_state"]
-            stepped = [i for i, grad in enumerate(grads) if grad is not None and self._layouts_now[i]]
             # A param's entry is made again where the step made its scalars new
             # objects (its first step, a number a step wrote, a first update);
             # otherwise it holds the store's views and the scalars, as before.
             remade = context.scalars_replaced | set(first)
-            for i in stepped:  # (SGD without momentum keeps no state, as in torch)
+            showing = remade or not all(self._shown)
+            stepped = [i for i, grad in enumerate(grads) if grad is not None and self._layouts_now[i]] \
+                if showing or deferred else []
+            for i in stepped if showing else ():  # (SGD without momentum keeps no state, as in torch)
                 if not self._shown[i] or i in remade:
                     self._shown[i] = True
                     self._show(state, i, params[i])
@@ -1193,13 +1196,15 @@ class TorchUpdateRule:
     def _sync_edits(self, opt, params: list[torch.Tensor]) -> None:
         """Loads into the store what was written into `state` since the last
         step: an entry replaced or removed (torch starts a removed one anew)."""
-        state = opt.__dict__["_state"]
-        for i, (p, shown) in enumerate(zip(params, self._shown)):
-            entry = state.get(p)
+        find = opt.__dict__["_state"].get
+        # (_marked, inlined: this runs over every param at every step)
+        for p, shown, mark in zip(params, self._shown, self._marks):
+            entry = find(p)
             if not shown:
                 if entry:
                     break
-            elif entry is None or not self._marked(i, entry):
+            elif entry is None or mark is None or tuple(map(id, entry.values())) != mark[1] or \
+                    tuple(entry) != mark[0]:
                 break
         else:
             return
