@@ -30,6 +30,15 @@ uint64_t WorkerQueue::submit(std::function<void()> task) {
   return ticket;
 }
 
+bool WorkerQueue::run_here_if_idle(const std::function<void()>& task) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!tasks_.empty() || completed_ != submitted_) return false;
+  task();  // under the lock: no task submitted meanwhile starts before it ends
+  ++submitted_;
+  ++completed_;  // (no waiter can wait for this ticket yet: it is new)
+  return true;
+}
+
 uint64_t WorkerQueue::submitted() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return submitted_;
@@ -67,6 +76,7 @@ void HostTransport::set_copy_delay(int64_t max_microseconds, uint64_t seed) {
   drain();  // no task in flight reads the old hook
   to_device_random_.seed(seed);
   to_host_random_.seed(seed ^ 0x9e3779b97f4a7c15ULL);
+  copy_here_bytes_ = max_microseconds > 0 ? 0 : kCopyHereBytes;
   if (max_microseconds <= 0) {
     delay_.reset();
     return;
@@ -98,14 +108,23 @@ WorkerQueue* HostTransport::worker(Queue queue) {
   return nullptr;
 }
 
+namespace {
+void copy_rows(const StridedCopy& copy) {
+  for (int64_t row = 0; row < copy.rows; ++row) {
+    std::memcpy(static_cast<char*>(copy.dst) + row * copy.dst_pitch,
+                static_cast<const char*>(copy.src) + row * copy.src_pitch, static_cast<size_t>(copy.width));
+  }
+}
+}  // namespace
+
 void HostTransport::submit_copy(WorkerQueue* queue, const StridedCopy& copy) {
+  if (copy.width * copy.rows <= copy_here_bytes_ && queue->run_here_if_idle([&copy] { copy_rows(copy); })) {
+    return;
+  }
   std::mt19937_64* random = queue == to_device_.get() ? &to_device_random_ : &to_host_random_;
   queue->submit([delay = delay_, random, copy] {
     if (delay) (*delay)(*random);
-    for (int64_t row = 0; row < copy.rows; ++row) {
-      std::memcpy(static_cast<char*>(copy.dst) + row * copy.dst_pitch,
-                  static_cast<const char*>(copy.src) + row * copy.src_pitch, static_cast<size_t>(copy.width));
-    }
+    copy_rows(copy);
   });
 }
 

@@ -27,6 +27,9 @@ class WorkerQueue {
   WorkerQueue& operator=(const WorkerQueue&) = delete;
 
   uint64_t submit(std::function<void()> task);
+  // Runs `task` on the calling thread, in queue order, when nothing is queued
+  // or running: true if it ran (it then counts as a submitted, finished task).
+  bool run_here_if_idle(const std::function<void()>& task);
   uint64_t submitted() const;
   void wait_for(uint64_t ticket);
   std::thread::id thread_id() const { return worker_.get_id(); }
@@ -51,7 +54,12 @@ class HostTransport final : public Transport {
   HostTransport(int slots, bool separate_copy_queues);
   ~HostTransport() override;
 
+  // (a test's copy delay stands for a slow link beside the update: while one
+  // is set every copy goes to the workers, see set_copy_here_bytes)
   void set_copy_delay(int64_t max_microseconds, uint64_t seed) override;
+  // The largest copy the caller makes itself where its queue is idle (the
+  // stress test mixes such copies with delayed ones).
+  void set_copy_here_bytes(int64_t bytes) { copy_here_bytes_ = bytes; }
   void set_compute_delay(int64_t max_microseconds, uint64_t seed) override;
   void delay_compute() override;  // sleeps on the thread running the update
 
@@ -82,6 +90,13 @@ class HostTransport final : public Transport {
   };
   WorkerQueue* worker(Queue queue);
   void submit_copy(WorkerQueue* queue, const StridedCopy& copy);
+
+  // A copy up to this size is made by the caller itself where its queue is
+  // idle: handing it to the worker costs a wake and a wait for its end, two
+  // thread switches that take longer than the memcpy, and with small batches
+  // those switches bounded the step. Larger copies overlap the update.
+  static constexpr int64_t kCopyHereBytes = 256 << 10;
+  int64_t copy_here_bytes_ = kCopyHereBytes;
 
   std::unique_ptr<WorkerQueue> to_device_;
   std::unique_ptr<WorkerQueue> to_host_owned_;  // null when one worker does both directions

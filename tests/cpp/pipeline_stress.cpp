@@ -124,9 +124,15 @@ class CountingWork final : public rt::BatchWork {
   std::vector<std::vector<float>> arenas_;
 };
 
+// How a case's copies run: all on the workers, with random delays; mixed, the
+// caller making each copy up to 8 KiB itself where its queue is idle, the
+// others delayed on the workers (a copy made too early shows as a wrong value);
+// with no delays, the runtime's own default.
+constexpr int kDelayed = 0, kMixed = 1, kNoDelays = 2;
+
 // `residents` of the batches, at random positions, have a slot of their own
 // (N + k, as the runtime gives each resident batch); the others rotate over N.
-void run_case(int arenas, int batches, int residents, uint64_t seed, bool deferred) {
+void run_case(int arenas, int batches, int residents, uint64_t seed, bool deferred, int copies) {
   std::mt19937_64 random(seed);
   std::vector<std::vector<float>> host;
   int64_t largest = 0;
@@ -153,7 +159,8 @@ void run_case(int arenas, int batches, int residents, uint64_t seed, bool deferr
     }
   }
   rt::HostTransport transport(slots, /*separate_copy_queues=*/arena_slots >= 3);
-  transport.set_copy_delay(200, seed);
+  transport.set_copy_delay(copies == kNoDelays ? 0 : 200, seed);
+  if (copies == kMixed) transport.set_copy_here_bytes(8 << 10);
   CountingWork work(transport, host, slots, largest);
   work.host_steps.assign(batches, 0.0f);
   work.device_steps.assign(batches, -1.0f);  // garbage until the step table is copied in
@@ -433,17 +440,21 @@ int main() {
   check_partition();
   check_plan();
   uint64_t seed = 1;
-  for (const bool deferred : {false, true}) {
-    for (int arenas : {2, 3, 4}) {
-      for (int batches : {1, 2, 3, 5, 9}) run_case(arenas, batches, /*residents=*/0, seed++, deferred);
-      for (int batches : {4, 9}) run_case(arenas, batches, /*residents=*/1 + batches / 3, seed++, deferred);
+  for (const int copies : {kDelayed, kMixed, kNoDelays}) {
+    for (const bool deferred : {false, true}) {
+      for (int arenas : {2, 3, 4}) {
+        for (int batches : {1, 2, 3, 5, 9}) run_case(arenas, batches, /*residents=*/0, seed++, deferred, copies);
+        for (int batches : {4, 9}) {
+          run_case(arenas, batches, /*residents=*/1 + batches / 3, seed++, deferred, copies);
+        }
+      }
     }
   }
   if (failures) {
     std::fprintf(stderr, "%d failure(s)\n", failures);
     return 1;
   }
-  std::printf("pipeline_stress: 21 pipeline cases (6 with resident slots) x 12 steps, inline and deferred, 300 partitions and 400 store "
-              "layouts passed\n");
+  std::printf("pipeline_stress: 21 pipeline cases (6 with resident slots) x 12 steps, inline and deferred, copies delayed, "
+              "mixed and undelayed, 300 partitions and 400 store layouts passed\n");
   return 0;
 }
