@@ -4,6 +4,7 @@
 #include "../kernels/adam_vocabulary.h"
 #include "../kernels/op_registry.h"
 #include "runtime_bindings.h"
+#include "span_index.h"
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -44,4 +45,5 @@ PYBIND11_MODULE(_C, module) {
   module.attr("adam_moment_keys") = names(so::kAdamKeyNames + so::kMomentExpAvg, so::kMomentCount);
   module.attr("layout_columns") = names(so::kLayoutColumnNames, so::kLayoutColumns);
   swap_optimizer::bind_runtime(module);
+  swap_optimizer::bind_span_index(module);
 }

@@ -126,6 +126,14 @@ bool SwapRuntime::has_deferred_step() const {
   return deferred_ != nullptr;
 }
 
+bool SwapRuntime::deferred_step_updated() {
+  if (stepping_thread_ == std::this_thread::get_id() || on_update_thread()) return false;  // see wait_step
+  const std::lock_guard<std::mutex> lock(step_mutex_);
+  if (!deferred_ || order_.empty()) return true;
+  const c10::DeviceGuard guard(device_);
+  return transport_->ready_now(static_cast<int64_t>(order_.size()) - 1);
+}
+
 void SwapRuntime::wait_step() {
   // A signal handler inside this thread's own whole step (check_interrupt):
   // that step began by finishing any deferred one, so nothing is deferred, and

@@ -179,6 +179,11 @@ bool HostTransport::wait_ready(int64_t position) {
   return ready_ <= position;  // released before reaching it: the step stopped short
 }
 
+bool HostTransport::ready_now(int64_t position) {
+  const std::lock_guard<std::mutex> lock(ready_mutex_);
+  return released_ || ready_ > position;
+}
+
 void HostTransport::release_ready() noexcept {
   {
     const std::lock_guard<std::mutex> lock(ready_mutex_);

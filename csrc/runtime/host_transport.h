@@ -77,6 +77,7 @@ class HostTransport final : public Transport {
   void mark_ready(int64_t position) override;
   bool wait_ready(int64_t position) override;
   void release_ready() noexcept override;
+  bool ready_now(int64_t position) override;
   void order_release(int64_t /*position*/) override {}
 
   void enable_stamps(int count) override;

@@ -70,6 +70,10 @@ class Transport {
   virtual void mark_ready(int64_t position) = 0;
   virtual bool wait_ready(int64_t position) = 0;
   virtual void release_ready() noexcept = 0;
+  // Whether position p's update has run, without waiting (CUDA: an event
+  // query, no host sync); the host backend's is also true once the step has
+  // stopped short of it.
+  virtual bool ready_now(int64_t position) = 0;
   // Makes the queue the deferred step was enqueued from (its grads and AMP
   // snapshots were made there) wait for position p's update, so that tensors
   // made there and read by the updates up to p can be freed now: the caching

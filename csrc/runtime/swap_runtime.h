@@ -151,6 +151,10 @@ class SwapRuntime {
   void wait_ready(int64_t position);
   void wait_step();
   bool has_deferred_step() const;  // a deferred step not yet waited for
+  // Whether every batch of the deferred step (true: none) has been updated,
+  // without waiting (CUDA: an event query, no host sync): overlap_forward's
+  // watch then has nothing left to guard and ends its pass.
+  bool deferred_step_updated();
 
   // Whether the caller is this runtime's update thread (host backend), which
   // runs a deferred step's Python update rule: Python code there (a garbage

@@ -16,9 +16,11 @@ in the same process, round by round, with the min and median over rounds.
   (the rest), from each run's fastest round.
 - overlap_forward: a model of tiny ops (24 x LayerNorm, Linear(64), GELU), its
   forward (no grad) with the hooks idle and with a pass pending (the step done,
-  so every wait finds its batch ready and only the checks cost): the model's
-  own forward, its blocks called from a script loop, and another model's
-  forward while the pass is pending.
+  so every wait finds its batch ready and only the checks cost, the pass kept
+  on as for a step in flight): the model's own forward, its blocks called from
+  a script loop, and another model's forward while the pass is pending; and
+  the own and another model's forward once the pass retires (its first check
+  finds the step done).
 """
 
 from __future__ import annotations
@@ -165,12 +167,18 @@ def tiny_op_model(device: torch.device, seed: int) -> nn.Sequential:
 
 
 # situation -> (what it runs: "own" forward, a "loop" over its blocks, or the
-# "other" model's forward; whether a pass is pending)
+# "other" model's forward; whether a pass is pending; whether it keeps watching
+# once every batch is updated). The step is done before each forward: pending
+# situations that keep watching measure what the checks cost while a step is in
+# flight, whose batches are ready (no wait blocks); the others what a forward
+# costs once the pass retires (its first check finds the step done).
 SITUATIONS = {
-    "hooks idle": ("own", False),
-    "pending, own forward": ("own", True),
-    "pending, script loop": ("loop", True),
-    "pending, another model": ("other", True),
+    "hooks idle": ("own", False, False),
+    "pending, own forward": ("own", True, True),
+    "pending, script loop": ("loop", True, True),
+    "pending, another model": ("other", True, True),
+    "step done, own forward": ("own", True, False),
+    "step done, another model": ("other", True, False),
 }
 
 
@@ -213,12 +221,13 @@ def measure_forward(device: torch.device, rounds: int, repeats: int) -> list[dic
         step(False)
     samples: dict[str, dict[str, list[float]]] = {name: {"plain": [], "overlap": []} for name in SITUATIONS}
     for number in range(rounds + 1):  # round 0 warms up (and runs the probe)
-        for name, (kind, pending) in SITUATIONS.items():
+        for name, (kind, pending, keep_watching) in SITUATIONS.items():
             plain, overlap = [], []
             for _ in range(repeats):
                 step(False)
                 with hooks_suspended():
                     plain.append(timed(kind))
+                optimizer._overlap.set_test_hooks(keep_watching=keep_watching)
                 step(pending)
                 overlap.append(timed(kind))
             if number:

@@ -1,14 +1,14 @@
 """The read watch of overlap_forward: a TorchFunctionMode put at the bottom
 of the stepping thread's mode stack, which records the probe's reads and, while
 a step is pending, makes ops outside the model's calls wait for the params
-(and grads) they touch, looked up by the byte spans of their storage."""
+(and grads) they touch, looked up by the byte spans of their storage (in C++:
+swap_optimizer._C.SpanIndex, csrc/bindings/span_index.cpp)."""
 
 from __future__ import annotations
 
-import bisect
 import threading
 import weakref
-from typing import Iterator, Optional, Protocol
+from typing import Optional, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -43,61 +43,6 @@ def _needs_data(func) -> bool:
     if name in _ATTRIBUTE_ACCESS:
         return (name, getattr(getattr(func, "__self__", None), "__name__", "")) in _DATA_ATTRIBUTES
     return name not in _METADATA_METHODS
-
-
-def _tensors_in(args, kwargs, lists: bool = True) -> Iterator[torch.Tensor]:
-    """The tensors among an op's arguments, also inside lists and tuples
-    (foreach ops, torch.cat, RNNs' flat weights). lists=False: tests only,
-    the rule "lists" knocked out."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif lists and isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    yield item
-
-
-def _byte_span(tensor: torch.Tensor) -> Optional[tuple[int, int]]:
-    """[first, last + 1) bytes a tensor's elements occupy; None when it has
-    no storage to read (meta, sparse, empty, tensor subclasses without one)."""
-    if tensor.layout != torch.strided or tensor.is_meta or tensor.numel() == 0:
-        return None
-    try:
-        begin = tensor.data_ptr()
-    except RuntimeError:
-        return None
-    extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
-    return begin, begin + extent * tensor.element_size()
-
-
-class _SpanIndex:
-    """Which of some tensors (by bytes, on one device) another tensor touches."""
-
-    def __init__(self, tagged: list[tuple[torch.Tensor, int]], device: torch.device):
-        spans = sorted((*span, tag) for tensor, tag in tagged if (span := _byte_span(tensor)) is not None)
-        self._device_type = device.type
-        self._begins = [begin for begin, _, _ in spans]
-        self._ends = [end for _, end, _ in spans]
-        self._tags = [tag for _, _, tag in spans]
-        self._reach = []  # the greatest end among spans[0..i]
-        for end in self._ends:
-            self._reach.append(max(end, self._reach[-1]) if self._reach else end)
-
-    def touched(self, tensor: torch.Tensor) -> list[int]:
-        if not self._begins or tensor.device.type != self._device_type:
-            return []
-        span = _byte_span(tensor)
-        if span is None:
-            return []
-        begin, end = span
-        tags = []
-        i = bisect.bisect_left(self._begins, end) - 1
-        while i >= 0 and self._reach[i] > begin:
-            if self._ends[i] > begin:
-                tags.append(self._tags[i])
-            i -= 1
-        return tags
 
 
 def _insert_mode(mode: TorchFunctionMode) -> None:

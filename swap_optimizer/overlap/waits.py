@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import torch_internals
+from .. import _C, torch_internals
 from ..step_guards import capturing
-from .guard import _BACKWARD_FUNCTIONS, _insert_mode, _ReadWatch, _remove_mode, _SpanIndex, _tensors_in
+from .guard import _BACKWARD_FUNCTIONS, _insert_mode, _ReadWatch, _remove_mode
 from .hooks import _Watch
 from .probe import _compiled_in_place, _structure, _WaitSchedule, _wrapped_module, check_model, find_blocks
 
@@ -62,11 +62,14 @@ class OverlapTestHooks:
     "compiled": at a compiled model's first call); knocked_out_rules: single
     rules switched off, of KNOCKABLE_RULES; as_if_cuda: the capture rules as
     for params on a GPU (idle calls watched, an overlapped step unproven until
-    synchronize()), for a CPU test with `capturing` simulated."""
+    synchronize()), for a CPU test with `capturing` simulated; keep_watching:
+    a pass goes on to its last wait even once every batch is updated (the
+    benchmark measures the checks' cost so, with the step done)."""
     knocked_out: frozenset = frozenset()
     unguarded: frozenset = frozenset()
     knocked_out_rules: frozenset = frozenset()
     as_if_cuda: bool = False
+    keep_watching: bool = False
 
 
 class ForwardOverlap:
@@ -111,7 +114,7 @@ class ForwardOverlap:
         if unknown_rules or unknown_kinds:
             raise ValueError(f"set_test_hooks: unknown rules {sorted(unknown_rules)} or kinds {sorted(unknown_kinds)}; "
                              f"rules are {sorted(KNOCKABLE_RULES)}, kinds {list(UNGUARDABLE)}")
-        sets = {key: frozenset(value) for key, value in changes.items() if key != "as_if_cuda"}
+        sets = {key: frozenset(value) for key, value in changes.items() if key not in ("as_if_cuda", "keep_watching")}
         self.test_hooks = replace(self.test_hooks, **{**changes, **sets})
         self.watch_captures = self._on_cuda()
         if self.busy():
@@ -147,7 +150,7 @@ class ForwardOverlap:
         self._index = 0             # the next expected call of the schedule's sequence
         self._waited = -1           # every position up to this one is ready
         self._last_position = -1
-        self._spans: Optional[_SpanIndex] = None
+        self._spans: Optional[_C.SpanIndex] = None
         self._positions: list[int] = []  # per span tag: the position it waits for
 
     # ---------------------------------------------------------- structure
@@ -246,7 +249,7 @@ class ForwardOverlap:
         (knocked_out_rules), as if _begin_overlapped lacked them."""
         if "grads" in self.test_hooks.knocked_out_rules and self._spans is not None:
             self._spans = None  # the watch is on: the ops below, on params, must not wait for them
-            self._spans = _SpanIndex([(p, i) for i, p in enumerate(self.params)
+            self._spans = _C.SpanIndex([(p, i) for i, p in enumerate(self.params)
                                       if i not in self.test_hooks.knocked_out], self.device)
         if "unproven" in self.test_hooks.knocked_out_rules:
             self.unproven = False
@@ -261,7 +264,7 @@ class ForwardOverlap:
         knocked_out = self.test_hooks.knocked_out
         tagged = [(p, i) for i, p in enumerate(self.params) if i not in knocked_out]
         tagged += [(g, i) for i, g in enumerate(grads) if g is not None and i not in knocked_out]
-        self._spans = _SpanIndex(tagged, self.device)
+        self._spans = _C.SpanIndex(tagged, self.device)
         self._positions = last
         if schedule.step_position >= 0:
             self._wait_until(schedule.step_position, runtime)
@@ -274,7 +277,7 @@ class ForwardOverlap:
         self._probe_calls: list[nn.Module] = []
         self._probe_first_inside: dict[int, int] = {}
         self._probe_compiled = any(_compiled_in_place(m) for m in self.model.modules())
-        self._spans = _SpanIndex([(p, i) for i, p in enumerate(self.params)], self.device)
+        self._spans = _C.SpanIndex([(p, i) for i, p in enumerate(self.params)], self.device)
         self._push_watch()
 
     def _settle_probe(self) -> None:
@@ -362,6 +365,12 @@ class ForwardOverlap:
         optimizer = self._optimizer()
         return None if optimizer is None else optimizer.__dict__.get("_runtime")
 
+    def _all_updated(self, runtime) -> bool:
+        """Whether every batch of the pending step is updated (a check that
+        does not wait): the pass then ends at once, its watch and hooks off,
+        instead of checking each call and op up to its last wait."""
+        return runtime is not None and not self.test_hooks.keep_watching and runtime.deferred_step_updated()
+
     def _refuse_capture(self) -> None:
         if self.unproven:
             raise RuntimeError("SwapOptimizer(overlap_forward=True): a CUDA graph is being captured while the last "
@@ -384,6 +393,8 @@ class ForwardOverlap:
             return self.finish_pass()
         if capturing(self.device):
             self._refuse_capture()
+        if position < self._last_position and self._all_updated(runtime):
+            position = self._last_position  # nothing is left to guard: the pass ends
         try:
             if position >= self._last_position:
                 runtime.wait_step()
@@ -545,7 +556,8 @@ class ForwardOverlap:
                 if "compiled" not in self.test_hooks.unguarded:
                     self._wait_until(self._last_position)
                 return
-            if self._index == 0 and self._structure_changed():
+            # (a step already done ends the pass before the structure walk)
+            if self._index == 0 and (self._all_updated(self._runtime()) or self._structure_changed()):
                 return self._wait_until(self._last_position)
             if self._index < len(schedule.sequence) and schedule.sequence[self._index] is module:
                 position = schedule.wait_at[self._index]
@@ -584,8 +596,7 @@ class ForwardOverlap:
             spans = self._spans
             if spans is None:
                 return
-            touched = [tag for t in _tensors_in(args, kwargs, lists="lists" not in self.test_hooks.knocked_out_rules)
-                       for tag in spans.touched(t)]
+            touched = spans.touched(args, kwargs, lists="lists" not in self.test_hooks.knocked_out_rules)
             if self.probing:
                 inside = self._depth > 0
                 for i in touched:
@@ -599,3 +610,5 @@ class ForwardOverlap:
                 return self._wait_until(self._last_position)  # backward may write grads the step reads
             if touched:
                 self._wait_until(max(self._positions[i] for i in touched))
+            elif self._all_updated(self._runtime()):  # nothing is left to guard: the pass ends
+                self._wait_until(self._last_position)

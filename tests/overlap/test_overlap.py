@@ -236,6 +236,33 @@ def test_the_global_hooks_are_on_only_while_a_pass_needs_them():
     assert_bitwise(snapshot(model, optimizer), snapshot(plain_model, plain))
 
 
+@pytest.mark.parametrize("keep_watching", [False, True])
+def test_a_pass_whose_step_is_done_ends_at_its_next_check(keep_watching):
+    """Once every batch of the pending step is updated (a check that does not
+    wait: the runtime's deferred_step_updated), the pass ends at the stepping
+    thread's next module call or op, its watch and hooks with it, so the rest
+    of a forward, of this model or any other, runs without them; while the
+    step is in flight it goes on. keep_watching (the benchmark's control)
+    keeps it to its last wait, which another model's ops never reach."""
+    device = torch.device("cpu")
+    model, other = build(device), build(device)
+    optimizer = make_optimizer(model, True, device)
+    optimizer._overlap.set_test_hooks(keep_watching=keep_watching)
+    train(model, optimizer, 2, device, "plain")  # the probe's step, then a pending one
+    optimizer.wait()
+    optimizer._set_test_hooks(compute_delay_us=200_000, seed=3)  # about 0.6 s of updates in all
+    train(model, optimizer, 1, device, "plain")
+    assert optimizer._overlap.pending and not optimizer._runtime.deferred_step_updated()
+    optimizer._runtime.synchronize()  # every batch updated; the pass is still on
+    assert optimizer._overlap.pending and optimizer._runtime.deferred_step_updated()
+    with torch.no_grad():
+        loss_of(other, tokens_for(0, device))
+    assert optimizer._overlap.pending == keep_watching
+    assert overlap_hooks_on() == (keep_watching, keep_watching)
+    optimizer.wait()
+    assert not optimizer._overlap.pending and optimizer._runtime.deferred_step_updated()
+
+
 def test_an_entry_held_across_a_deferred_step_takes_edits():
     """An entry of `state` held across step() and edited after it returns, as
     torch.optim allows: the edit reaches the next step whether the step was

@@ -155,6 +155,16 @@ class CudaTransport final : public Transport {
 
   void release_ready() noexcept override {}
 
+  bool ready_now(int64_t position) override {
+    const cudaError_t status = cudaEventQuery(ready_.at(position));
+    if (status == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // not an error: cleared, as c10's CUDAEvent::query does
+      return false;
+    }
+    C10_CUDA_CHECK(status);
+    return true;
+  }
+
   // Readiness events complete in order (one update stream): waiting for p covers every position before it.
   void order_release(int64_t position) override {
     if (!step_queue_ || position <= step_queue_waited_through_) return;

@@ -1,0 +1,107 @@
+#include "span_index.h"
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace swap_optimizer {
+namespace {
+
+namespace py = pybind11;
+
+// [first, last + 1) bytes a tensor's elements occupy; none where it has no
+// storage to read (meta, sparse, empty, a subclass without one).
+std::optional<std::pair<int64_t, int64_t>> byte_span(const at::Tensor& tensor) {
+  try {  // (a tensor whose data or sizes cannot be read: functional, fake, symbolic)
+    if (tensor.layout() != at::kStrided || tensor.is_meta() || tensor.numel() == 0 || !tensor.has_storage()) {
+      return std::nullopt;
+    }
+    const int64_t begin = reinterpret_cast<int64_t>(tensor.data_ptr());
+    int64_t extent = 1;
+    const auto sizes = tensor.sizes();
+    const auto strides = tensor.strides();
+    for (size_t d = 0; d < sizes.size(); ++d) extent += (sizes[d] - 1) * strides[d];
+    return std::make_pair(begin, begin + extent * static_cast<int64_t>(tensor.element_size()));
+  } catch (const c10::Error&) {
+    return std::nullopt;
+  }
+}
+
+// Which of some tensors (tags, by their bytes on one device type) an op's
+// tensors touch: spans sorted by their first byte, with the greatest end so
+// far, so that a lookup is a bisection and a walk back over the overlapping ones.
+class SpanIndex {
+ public:
+  SpanIndex(const std::vector<std::pair<at::Tensor, int64_t>>& tagged, c10::DeviceType device_type)
+      : device_type_(device_type) {
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> spans;
+    for (const auto& [tensor, tag] : tagged) {
+      if (const auto span = byte_span(tensor)) spans.emplace_back(span->first, span->second, tag);
+    }
+    std::sort(spans.begin(), spans.end());
+    for (const auto& [begin, end, tag] : spans) {
+      begins_.push_back(begin);
+      ends_.push_back(end);
+      tags_.push_back(tag);
+      reach_.push_back(reach_.empty() ? end : std::max(end, reach_.back()));
+    }
+  }
+
+  // The tags whose spans the tensors among args and kwargs touch, also inside
+  // lists and tuples (foreach ops, torch.cat, RNNs' flat weights) unless
+  // `lists` is false (a test's knocked-out rule). In the order found; a tag
+  // may repeat.
+  std::vector<int64_t> touched(const py::tuple& args, const py::dict& kwargs, bool lists) const {
+    std::vector<int64_t> tags;
+    if (begins_.empty()) return tags;
+    auto visit = [&](PyObject* value) {
+      if (THPVariable_Check(value)) {
+        add(THPVariable_Unpack(value), tags);
+      } else if (lists && (PyList_Check(value) || PyTuple_Check(value))) {
+        const py::sequence items = py::reinterpret_borrow<py::sequence>(value);
+        for (const py::handle item : items) {
+          if (THPVariable_Check(item.ptr())) add(THPVariable_Unpack(item.ptr()), tags);
+        }
+      }
+    };
+    for (const py::handle value : args) visit(value.ptr());
+    for (const auto& [key, value] : kwargs) visit(value.ptr());
+    return tags;
+  }
+
+ private:
+  void add(const at::Tensor& tensor, std::vector<int64_t>& tags) const {
+    if (tensor.device().type() != device_type_) return;
+    const auto span = byte_span(tensor);
+    if (!span) return;
+    const auto [begin, end] = *span;
+    int64_t i = static_cast<int64_t>(std::lower_bound(begins_.begin(), begins_.end(), end) - begins_.begin()) - 1;
+    for (; i >= 0 && reach_[i] > begin; --i) {
+      if (ends_[i] > begin) tags.push_back(tags_[i]);
+    }
+  }
+
+  c10::DeviceType device_type_;
+  std::vector<int64_t> begins_, ends_, tags_;
+  std::vector<int64_t> reach_;  // the greatest end among spans [0, i]
+};
+
+}  // namespace
+
+void bind_span_index(py::module& module) {
+  py::class_<SpanIndex>(module, "SpanIndex",
+                        "Which of some tensors (by their bytes on one device type) an op's tensors touch.")
+      .def(py::init([](const std::vector<std::pair<at::Tensor, int64_t>>& tagged, const c10::Device& device) {
+             return SpanIndex(tagged, device.type());
+           }),
+           py::arg("tagged"), py::arg("device"), "tagged: (tensor, tag) pairs; device: the only device type looked at.")
+      .def("touched", &SpanIndex::touched, py::arg("args"), py::arg("kwargs"), py::arg("lists") = true,
+           "The tags whose bytes the tensors among args and kwargs touch (inside lists and tuples too, unless "
+           "lists=False).");
+}
+
+}  // namespace swap_optimizer
