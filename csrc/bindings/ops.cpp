@@ -4,7 +4,7 @@
 #include "../kernels/adam_vocabulary.h"
 #include "../kernels/op_registry.h"
 #include "runtime_bindings.h"
-#include "span_index.h"
+#include "overlap_checks.h"
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -45,5 +45,5 @@ PYBIND11_MODULE(_C, module) {
   module.attr("adam_moment_keys") = names(so::kAdamKeyNames + so::kMomentExpAvg, so::kMomentCount);
   module.attr("layout_columns") = names(so::kLayoutColumnNames, so::kLayoutColumns);
   swap_optimizer::bind_runtime(module);
-  swap_optimizer::bind_span_index(module);
+  swap_optimizer::bind_overlap_checks(module);
 }

@@ -2,7 +2,7 @@
 of the stepping thread's mode stack, which records the probe's reads and, while
 a step is pending, makes ops outside the model's calls wait for the params
 (and grads) they touch, looked up by the byte spans of their storage (in C++:
-swap_optimizer._C.SpanIndex, csrc/bindings/span_index.cpp)."""
+swap_optimizer._C.SpanIndex, csrc/bindings/overlap_checks.cpp)."""
 
 from __future__ import annotations
 

@@ -82,17 +82,17 @@ def check_model(model: nn.Module) -> None:
                              "overlap_forward=False with FSDP")
 
 
-def _structure(model: nn.Module) -> list[tuple]:
+def _structure(model: nn.Module) -> bytes:
     """The model's modules and the params each holds directly, by identity
     (a module replaced, a weight tied or untied), and which are compiled in place."""
-    return [(id(m), _compiled_in_place(m), *map(id, torch_internals.own_params(m))) for m in model.modules()]
+    return torch_internals.module_structure(model)
 
 
 class _WaitSchedule:
     """Where an overlapped pass waits, from the probe: the expected sequence of
     module calls, and per call the pipeline position that must be ready."""
 
-    def __init__(self, structure: list[tuple], sequence: list[nn.Module], wait_at: list[int],
+    def __init__(self, structure: bytes, sequence: list[nn.Module], wait_at: list[int],
                  step_position: int, compiled: bool):
         self.structure = structure  # the model as the probe saw it (its modules are held by the sequence)
         self.sequence = sequence

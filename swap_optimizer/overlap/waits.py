@@ -519,7 +519,8 @@ class ForwardOverlap:
 
     def on_call(self, module: nn.Module) -> None:
         """A module call anywhere (the global pre-hook)."""
-        self._tidy()
+        if self.orphaned or self._watch.thread is not None and not (self.pending or self.probing):
+            self._tidy()  # (what _tidy does, tested first: this runs at every module call)
         if not (self.pending or self.probing or self.watch_captures):
             return  # idle on the CPU: nothing to do
         if id(module) not in self._modules:
@@ -543,12 +544,12 @@ class ForwardOverlap:
             if self.probing:
                 self._probe_compiled |= wrapper
                 self._probe_calls.append(module)
-                if capturing(self.device):
+                if self.watch_captures and capturing(self.device):
                     self._note_capture()
                 return
             if owner and self._depth == 1:
                 self._pop_watch()
-            if capturing(self.device):
+            if self.watch_captures and capturing(self.device):  # (watch_captures: the params are on CUDA)
                 self._refuse_capture()
                 self._note_capture()
             schedule = self.schedule
@@ -580,7 +581,8 @@ class ForwardOverlap:
 
     def on_return(self, module: nn.Module) -> None:
         """A module call returned (the global always-called forward hook)."""
-        self._tidy(may_unregister=False)
+        if self._watch.thread is not None and not (self.pending or self.probing):
+            self._tidy(may_unregister=False)
         if id(module) not in self._modules or threading.get_ident() != self.owner:
             return
         with self._lock:

@@ -326,7 +326,22 @@ def test_the_private_torch_apis_overlap_uses_work_on_this_torch():
     inner = nn.Linear(2, 2)
     assert torch_internals.compiled_wrapper_inner(torch.compile(inner)) is inner
     assert torch_internals.compiled_wrapper_inner(inner) is None
-    assert list(torch_internals.own_params(inner)) == [inner.weight, inner.bias]
+    # module_structure: equal while nothing changed; a param replaced or tied, a
+    # module replaced or added, a module compiled in place each change it
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    model.append(model[0])  # a module held twice counts once, as modules() walks it
+    before = torch_internals.module_structure(model)
+    assert torch_internals.module_structure(model) == before
+    changes = [lambda: setattr(model[0], "weight", nn.Parameter(torch.randn(2, 2))),
+               lambda: setattr(model[1][0], "weight", model[0].weight),
+               lambda: model[1].__setitem__(0, nn.Linear(2, 2)),
+               lambda: model.append(nn.ReLU()),
+               lambda: model[1].compile()]
+    for change in changes:
+        change()
+        after = torch_internals.module_structure(model)
+        assert after != before
+        before = after
 
 
 def test_a_torch_without_the_private_apis_it_needs_is_refused_naming_them(monkeypatch):

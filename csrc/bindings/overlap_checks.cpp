@@ -1,8 +1,9 @@
-#include "span_index.h"
+#include "overlap_checks.h"
 
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -90,9 +91,46 @@ class SpanIndex {
   std::vector<int64_t> reach_;  // the greatest end among spans [0, i]
 };
 
+// The module tree below `module`, each module once in the order
+// nn.Module.modules() visits it: per module its identity, whether it is
+// compiled in place (`_compiled_call_impl` set) and the identities of the
+// params it holds itself (`_parameters`), then a separator. Read from the
+// module's __dict__ as torch_internals.py names it (torch 2.11-2.14).
+void append_structure(PyObject* module, std::vector<int64_t>& out, std::unordered_set<PyObject*>& seen) {
+  if (!seen.insert(module).second) return;
+  const py::dict attributes = py::reinterpret_borrow<py::object>(module).attr("__dict__");
+  out.push_back(reinterpret_cast<int64_t>(module));
+  PyObject* compiled = PyDict_GetItemString(attributes.ptr(), "_compiled_call_impl");
+  out.push_back(compiled != nullptr && compiled != Py_None ? 1 : 0);
+  PyObject* params = PyDict_GetItemString(attributes.ptr(), "_parameters");
+  if (params != nullptr && PyDict_Check(params)) {
+    for (const auto& [name, param] : py::reinterpret_borrow<py::dict>(params)) {
+      if (!param.is_none()) out.push_back(reinterpret_cast<int64_t>(param.ptr()));
+    }
+  }
+  out.push_back(0);  // (no object lies at address 0)
+  PyObject* children = PyDict_GetItemString(attributes.ptr(), "_modules");
+  if (children != nullptr && PyDict_Check(children)) {
+    for (const auto& [name, child] : py::reinterpret_borrow<py::dict>(children)) {
+      if (!child.is_none()) append_structure(child.ptr(), out, seen);
+    }
+  }
+}
+
 }  // namespace
 
-void bind_span_index(py::module& module) {
+void bind_overlap_checks(py::module& module) {
+  module.def(
+      "module_structure",
+      [](const py::handle& model) {
+        std::vector<int64_t> out;
+        std::unordered_set<PyObject*> seen;
+        append_structure(model.ptr(), out, seen);
+        return py::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
+      },
+      py::arg("model"),
+      "The model's modules (each once, as modules() visits them), whether each is compiled in place and the params "
+      "it holds itself, by identity, as bytes: two are equal while none of it changed.");
   py::class_<SpanIndex>(module, "SpanIndex",
                         "Which of some tensors (by their bytes on one device type) an op's tensors touch.")
       .def(py::init([](const std::vector<std::pair<at::Tensor, int64_t>>& tagged, const c10::Device& device) {
