@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <unordered_set>
 #include <utility>
@@ -56,7 +57,8 @@ class SpanIndex {
   // lists and tuples (foreach ops, torch.cat, RNNs' flat weights) unless
   // `lists` is false (a test's knocked-out rule). In the order found; a tag
   // may repeat.
-  std::vector<int64_t> touched(const py::tuple& args, const py::dict& kwargs, bool lists) const {
+  // (args: a tuple or any iterable; kwargs: a dict, any mapping or None)
+  std::vector<int64_t> touched(const py::handle& args, const py::handle& kwargs, bool lists) const {
     std::vector<int64_t> tags;
     if (begins_.empty()) return tags;
     auto visit = [&](PyObject* value) {
@@ -69,8 +71,12 @@ class SpanIndex {
         }
       }
     };
-    for (const py::handle value : args) visit(value.ptr());
-    for (const auto& [key, value] : kwargs) visit(value.ptr());
+    for (const py::handle value : py::reinterpret_borrow<py::iterable>(args)) visit(value.ptr());
+    if (PyDict_Check(kwargs.ptr())) {
+      for (const auto& [key, value] : py::reinterpret_borrow<py::dict>(kwargs)) visit(value.ptr());
+    } else if (!kwargs.is_none()) {
+      for (const py::handle value : kwargs.attr("values")()) visit(value.ptr());
+    }
     return tags;
   }
 
@@ -96,24 +102,29 @@ class SpanIndex {
 // compiled in place (`_compiled_call_impl` set) and the identities of the
 // params it holds itself (`_parameters`), then a separator. Read from the
 // module's __dict__ as torch_internals.py names it (torch 2.11-2.14).
+// A module's dict entry `name`, which must be a dict: a torch that moved it
+// is refused here, naming it, rather than walked as if the module had none.
+py::dict module_dict(const py::dict& attributes, const char* name) {
+  PyObject* value = PyDict_GetItemString(attributes.ptr(), name);  // borrowed
+  if (value == nullptr || !PyDict_Check(value)) {
+    throw py::type_error(std::string("swap_optimizer: an nn.Module without a dict `") + name + "` (torch " +
+                         "changed its internals; overlap_forward relies on them: use overlap_forward=False)");
+  }
+  return py::reinterpret_borrow<py::dict>(value);
+}
+
 void append_structure(PyObject* module, std::vector<int64_t>& out, std::unordered_set<PyObject*>& seen) {
   if (!seen.insert(module).second) return;
   const py::dict attributes = py::reinterpret_borrow<py::object>(module).attr("__dict__");
   out.push_back(reinterpret_cast<int64_t>(module));
-  PyObject* compiled = PyDict_GetItemString(attributes.ptr(), "_compiled_call_impl");
+  PyObject* compiled = PyDict_GetItemString(attributes.ptr(), "_compiled_call_impl");  // absent: not compiled
   out.push_back(compiled != nullptr && compiled != Py_None ? 1 : 0);
-  PyObject* params = PyDict_GetItemString(attributes.ptr(), "_parameters");
-  if (params != nullptr && PyDict_Check(params)) {
-    for (const auto& [name, param] : py::reinterpret_borrow<py::dict>(params)) {
-      if (!param.is_none()) out.push_back(reinterpret_cast<int64_t>(param.ptr()));
-    }
+  for (const auto& [name, param] : module_dict(attributes, "_parameters")) {
+    if (!param.is_none()) out.push_back(reinterpret_cast<int64_t>(param.ptr()));
   }
   out.push_back(0);  // (no object lies at address 0)
-  PyObject* children = PyDict_GetItemString(attributes.ptr(), "_modules");
-  if (children != nullptr && PyDict_Check(children)) {
-    for (const auto& [name, child] : py::reinterpret_borrow<py::dict>(children)) {
-      if (!child.is_none()) append_structure(child.ptr(), out, seen);
-    }
+  for (const auto& [name, child] : module_dict(attributes, "_modules")) {
+    if (!child.is_none()) append_structure(child.ptr(), out, seen);
   }
 }
 

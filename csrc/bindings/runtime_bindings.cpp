@@ -418,9 +418,9 @@ void bind_runtime(py::module& module) {
            py::arg("position"),
            "The current stream waits for the batch at this pipeline position of the deferred step (CUDA: no host "
            "sync; CPU: blocks); raises what stopped the step.")
-      .def("deferred_step_updated", &SwapRuntime::deferred_step_updated, py::call_guard<py::gil_scoped_release>(),
+      .def("deferred_step_updated", &SwapRuntime::deferred_step_updated,
            "Whether every batch of the deferred step (True: none) has been updated, without waiting (CUDA: an event "
-           "query, no host sync).")
+           "query, no host sync; False while another thread holds the runtime).")
       .def("wait_step",
            [](SwapRuntime& self) {
              {

@@ -128,7 +128,11 @@ bool SwapRuntime::has_deferred_step() const {
 
 bool SwapRuntime::deferred_step_updated() {
   if (stepping_thread_ == std::this_thread::get_id() || on_update_thread()) return false;  // see wait_step
-  const std::lock_guard<std::mutex> lock(step_mutex_);
+  // Never blocks, so it runs with the GIL held (asked at every op outside the
+  // model's calls: releasing the GIL there would hand it to the update
+  // thread's Python for a switch interval): busy lock, not known yet.
+  const std::unique_lock<std::mutex> lock(step_mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
   if (!deferred_ || order_.empty()) return true;
   const c10::DeviceGuard guard(device_);
   return transport_->ready_now(static_cast<int64_t>(order_.size()) - 1);

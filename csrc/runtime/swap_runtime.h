@@ -152,8 +152,9 @@ class SwapRuntime {
   void wait_step();
   bool has_deferred_step() const;  // a deferred step not yet waited for
   // Whether every batch of the deferred step (true: none) has been updated,
-  // without waiting (CUDA: an event query, no host sync): overlap_forward's
-  // watch then has nothing left to guard and ends its pass.
+  // without waiting (CUDA: an event query, no host sync; false while another
+  // thread holds the step lock): overlap_forward's watch then has nothing
+  // left to guard and ends its pass.
   bool deferred_step_updated();
 
   // Whether the caller is this runtime's update thread (host backend), which

@@ -7,21 +7,22 @@ collecting grads and states into lists), then one call of the functional
 update with those lists and the group's values. After a param's first step
 the walk only collects: the lists are the batch's rows and their staged
 views, which _update_batch has already. Calling the functional update with
-them skips a stand-in optimizer, step()'s wrappers and the walk, about 30 µs
+them skips a stand-in optimizer, step()'s wrappers and the walk, about 30 us
 of Python a batch: on a GPU, where a batch's update takes microseconds, that
 is what bounds the step.
 
 The call is the one step() makes, argument for argument, so the results stay
 torch's bit for bit (the parity tests of every implementation run this path
-after the first step). It is only taken where that is known to hold:
-- the class's step() is the one the call was written for, and the function
-  it calls is the one here (a subclass with its own step, or a torch whose
-  step calls another function, runs step());
-- the function's parameters are exactly those written for (torch 2.13 and
-  2.14 checked here; the GPU check runs the parity tests on 2.11);
+after the first step). It is only taken where that is proven:
+- the source of the class's step() and _init_group, and the names and kinds
+  of the function's parameters, are those this call was written against
+  (a digest of them, the same on torch 2.13 and 2.14; a torch whose code
+  differs runs step(), exact and slower);
+- the optimizer's step and _init_group are the class's own, the very
+  objects read (a subclass that overrides either, a step patched or wrapped
+  later, run step()), and the function is the one that step names;
 - the optimizer's settings (its defaults) are all ones the call passes or
-  step() reads only to create states: a setting a later torch adds runs
-  step();
+  step() reads only to create states: a setting a subclass adds runs step();
 - every row has its states (a first step creates them: step() runs it).
   _init_group's one check of a group value (Adam's tensor lr with foreach)
   is made by the function too.
@@ -29,6 +30,8 @@ after the first step). It is only taken where that is known to hold:
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -43,28 +46,49 @@ ListSpec = tuple[str, Optional[Callable[[dict], bool]]]
 # step() unpacks (betas into beta1 and beta2).
 OptionSpec = Any
 
-_EXTRAS = ("has_complex", "has_sparse_grad", "grad_scale", "found_inf")
-
-
 class NotReady(Exception):
     """This batch cannot take the functional call: step() runs it instead
     (nothing has been written)."""
 
 
+def _class_step(cls: type) -> Callable:
+    """The step a class's instances run, without the profiling wrapper
+    torch.optim puts around it at the first instance (marked `hooked`)."""
+    step = cls.step
+    while getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return step
+
+
+def code_digest(owner: type, function: Callable) -> Optional[str]:
+    """A digest of what the call depends on: the source of `owner`'s step()
+    and _init_group and the names and kinds of `function`'s parameters
+    (None: no source to read)."""
+    try:
+        parameters = ",".join(f"{p.name}:{p.kind.name}" for p in inspect.signature(function).parameters.values())
+        text = inspect.getsource(inspect.unwrap(_class_step(owner))) + \
+            inspect.getsource(owner.__dict__["_init_group"]) + parameters
+    except (OSError, TypeError, ValueError, KeyError):
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class FunctionalUpdate:
-    owner: type                      # the class whose step() makes this call
+    step: Callable                   # the owner's step, as its instances run it (the very object)
+    init_group: Callable             # the owner's _init_group (the very object)
     function: Callable               # torch's functional update
     lists: tuple[ListSpec, ...]      # the state lists, in the call's order
     options: dict[str, tuple[str, Optional[int]]]  # keyword -> (group key, index in a pair or None)
-    extras: frozenset                # which of _EXTRAS the call passes
+    extras: frozenset                # has_complex, has_sparse_grad, grad_scale and found_inf: which it passes
     init_only: frozenset             # settings step() reads only to create a param's states
 
     def accepts(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether `optimizer`'s step() makes this call with these settings."""
+        cls = type(optimizer)
         read = {key for key, _ in self.options.values()}
         # (differentiable: step()'s grad mode; SwapOptimizer refuses differentiable=True)
-        return (inspect.unwrap(type(optimizer).step) is inspect.unwrap(self.owner.step)
+        return (_class_step(cls) is self.step and getattr(cls, "_init_group", None) is self.init_group
                 and set(optimizer.defaults) <= read | self.init_only | {"differentiable"}
                 and read <= set(optimizer.defaults))
 
@@ -93,84 +117,87 @@ class FunctionalUpdate:
         self.function(params, grads, *lists, **keywords, **extras)
 
 
-def _functional(owner: type, name: str, lists: tuple[ListSpec, ...], options: tuple[OptionSpec, ...],
+def _functional(owner: type, name: str, digest: str, lists: tuple[ListSpec, ...], options: tuple[OptionSpec, ...],
                 extras: tuple[str, ...], init_only: tuple[str, ...] = ()) -> Optional[FunctionalUpdate]:
     """The FunctionalUpdate of `owner` calling its module's `name`, or None
-    where this torch's differs from what it was written for."""
-    step = inspect.unwrap(owner.step)
-    function = step.__globals__.get(name)
-    if function is None or name not in step.__code__.co_names:
+    where this torch's code is not the code it was written against (`digest`)."""
+    step = _class_step(owner)
+    function = inspect.unwrap(step).__globals__.get(name)
+    if function is None or code_digest(owner, function) != digest:
         return None
     keywords = {}
     for option in options:
         keyword, key, index = (option, option, None) if isinstance(option, str) else option
         keywords[keyword] = (key, index)
-    try:
-        parameters = list(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return None
-    positional = 2 + len(lists)
-    if len(parameters) < positional or set(parameters[positional:]) != set(keywords) | set(extras) or \
-            not set(extras) <= set(_EXTRAS) or ("grad_scale" in extras) != ("found_inf" in extras):
-        return None
-    return FunctionalUpdate(owner, function, lists, keywords, frozenset(extras), frozenset(init_only))
+    return FunctionalUpdate(step, owner.__dict__["_init_group"], function, lists, keywords, frozenset(extras),
+                            frozenset(init_only))
 
 
 _BETAS = (("beta1", "betas", 0), ("beta2", "betas", 1))
 _AMP = ("grad_scale", "found_inf")
 
-# Per class: its step()'s call, as torch 2.13 and 2.14 write it.
-FUNCTIONAL_UPDATES: dict[type, Optional[FunctionalUpdate]] = {
-    torch.optim.SGD: _functional(
-        torch.optim.SGD, "sgd", (("momentum_buffer", lambda group: group["momentum"] != 0),),
-        ("weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize", "foreach", "fused"),
-        ("has_sparse_grad", *_AMP)),
-    torch.optim.Adam: _functional(
-        torch.optim.Adam, "adam",
-        (("exp_avg", None), ("exp_avg_sq", None), ("max_exp_avg_sq", lambda group: group["amsgrad"]), ("step", None)),
-        ("amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable", "fused",
-         "decoupled_weight_decay", *_BETAS), ("has_complex", *_AMP)),
-    torch.optim.NAdam: _functional(
-        torch.optim.NAdam, "nadam", (("exp_avg", None), ("exp_avg_sq", None), ("mu_product", None), ("step", None)),
-        ("lr", "weight_decay", "momentum_decay", "eps", "maximize", "decoupled_weight_decay", "foreach", "capturable",
-         "differentiable", *_BETAS), ("has_complex",)),
-    torch.optim.RAdam: _functional(
-        torch.optim.RAdam, "radam", (("exp_avg", None), ("exp_avg_sq", None), ("step", None)),
-        ("lr", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable", "decoupled_weight_decay",
-         *_BETAS), ("has_complex",)),
-    torch.optim.Adamax: _functional(
-        torch.optim.Adamax, "adamax", (("exp_avg", None), ("exp_inf", None), ("step", None)),
-        ("eps", "lr", "weight_decay", "foreach", "maximize", "differentiable", "capturable", *_BETAS),
-        ("has_complex",)),
-    torch.optim.Adagrad: _functional(
-        torch.optim.Adagrad, "adagrad", (("sum", None), ("step", None)),
-        ("lr", "weight_decay", "lr_decay", "eps", "foreach", "maximize", "differentiable", "fused"),
-        ("has_sparse_grad", "has_complex", *_AMP), init_only=("initial_accumulator_value",)),
-    torch.optim.RMSprop: _functional(
-        torch.optim.RMSprop, "rmsprop",
-        (("square_avg", None), ("grad_avg", lambda group: group["centered"]),
-         ("momentum_buffer", lambda group: group["momentum"] > 0), ("step", None)),
-        ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "foreach", "maximize", "differentiable",
-         "capturable"), ("has_complex",)),
-    torch.optim.Adadelta: _functional(
-        torch.optim.Adadelta, "adadelta", (("square_avg", None), ("acc_delta", None), ("step", None)),
-        ("lr", "rho", "eps", "weight_decay", "foreach", "maximize", "differentiable", "capturable"), ("has_complex",)),
-    torch.optim.ASGD: _functional(
-        torch.optim.ASGD, "asgd", (("ax", None), ("mu", None), ("eta", None), ("step", None)),
-        ("lambd", "lr", "t0", "alpha", "weight_decay", "foreach", "maximize", "differentiable", "capturable"),
-        ("has_complex",)),
-    torch.optim.Rprop: _functional(
-        torch.optim.Rprop, "rprop", (("prev", None), ("step_size", None), ("step", None)),
-        (("step_size_min", "step_sizes", 0), ("step_size_max", "step_sizes", 1), ("etaminus", "etas", 0),
-         ("etaplus", "etas", 1), "foreach", "maximize", "differentiable", "capturable"),
-        ("has_complex",), init_only=("lr",)),
-}
+
+@functools.cache
+def functional_updates() -> dict[type, Optional[FunctionalUpdate]]:
+    """Per class: its step()'s call, as torch 2.13 and 2.14 write it (the
+    digests: code_digest of that code), None where this torch's differs.
+    Made at the first use: reading the sources takes tens of milliseconds."""
+    return {
+        torch.optim.SGD: _functional(
+            torch.optim.SGD, "sgd", "fbe175dcbe6bbd46",
+            (("momentum_buffer", lambda group: group["momentum"] != 0),),
+            ("weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize", "foreach", "fused"),
+            ("has_sparse_grad", *_AMP)),
+        torch.optim.Adam: _functional(
+            torch.optim.Adam, "adam", "0483f29318108962",
+            (("exp_avg", None), ("exp_avg_sq", None), ("max_exp_avg_sq", lambda group: group["amsgrad"]),
+             ("step", None)),
+            ("amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable", "fused",
+             "decoupled_weight_decay", *_BETAS), ("has_complex", *_AMP)),
+        torch.optim.NAdam: _functional(
+            torch.optim.NAdam, "nadam", "4d81f3ddcde2ee11",
+            (("exp_avg", None), ("exp_avg_sq", None), ("mu_product", None), ("step", None)),
+            ("lr", "weight_decay", "momentum_decay", "eps", "maximize", "decoupled_weight_decay", "foreach",
+             "capturable", "differentiable", *_BETAS), ("has_complex",)),
+        torch.optim.RAdam: _functional(
+            torch.optim.RAdam, "radam", "32c0ab6fca7e85e2", (("exp_avg", None), ("exp_avg_sq", None), ("step", None)),
+            ("lr", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable",
+             "decoupled_weight_decay", *_BETAS), ("has_complex",)),
+        torch.optim.Adamax: _functional(
+            torch.optim.Adamax, "adamax", "9abde85103c09178", (("exp_avg", None), ("exp_inf", None), ("step", None)),
+            ("eps", "lr", "weight_decay", "foreach", "maximize", "differentiable", "capturable", *_BETAS),
+            ("has_complex",)),
+        torch.optim.Adagrad: _functional(
+            torch.optim.Adagrad, "adagrad", "394f3a27013e7a49", (("sum", None), ("step", None)),
+            ("lr", "weight_decay", "lr_decay", "eps", "foreach", "maximize", "differentiable", "fused"),
+            ("has_sparse_grad", "has_complex", *_AMP), init_only=("initial_accumulator_value",)),
+        torch.optim.RMSprop: _functional(
+            torch.optim.RMSprop, "rmsprop", "a5dfcd29a1e99357",
+            (("square_avg", None), ("grad_avg", lambda group: group["centered"]),
+             ("momentum_buffer", lambda group: group["momentum"] > 0), ("step", None)),
+            ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "foreach", "maximize", "differentiable",
+             "capturable"), ("has_complex",)),
+        torch.optim.Adadelta: _functional(
+            torch.optim.Adadelta, "adadelta", "defd349ecf944ab7",
+            (("square_avg", None), ("acc_delta", None), ("step", None)),
+            ("lr", "rho", "eps", "weight_decay", "foreach", "maximize", "differentiable", "capturable"),
+            ("has_complex",)),
+        torch.optim.ASGD: _functional(
+            torch.optim.ASGD, "asgd", "9602224721146ad9", (("ax", None), ("mu", None), ("eta", None), ("step", None)),
+            ("lambd", "lr", "t0", "alpha", "weight_decay", "foreach", "maximize", "differentiable", "capturable"),
+            ("has_complex",)),
+        torch.optim.Rprop: _functional(
+            torch.optim.Rprop, "rprop", "eecd9db4c4dd4576", (("prev", None), ("step_size", None), ("step", None)),
+            (("step_size_min", "step_sizes", 0), ("step_size_max", "step_sizes", 1), ("etaminus", "etas", 0),
+             ("etaplus", "etas", 1), "foreach", "maximize", "differentiable", "capturable"),
+            ("has_complex",), init_only=("lr",)),
+    }
 
 
 def functional_update_for(optimizer: torch.optim.Optimizer) -> Optional[FunctionalUpdate]:
     """The functional call `optimizer`'s step() makes, where it is known to
     be exactly that (see the module's doc); None: its step() runs."""
-    for update in FUNCTIONAL_UPDATES.values():
+    for update in functional_updates().values():
         if update is not None and update.accepts(optimizer):
             return update
     return None

@@ -599,10 +599,11 @@ def _functional_batch(step: _StepContext, batch: int, params: list[torch.Tensor]
     """One batch of `step` by torch's functional update, called as the
     class's step() calls it, with the rows, their grads and their staged
     views as its lists. False, with nothing written, where a row has no
-    states yet or the call would differ from step()'s (NotReady): the batch
-    then runs step(). Every row's states are views or kept scalars updated
-    in place, so a whole param needs nothing after the call; a split param's
-    pieces start from copies of its scalars, the last one's kept."""
+    states yet (a first step creates them) or the call would differ from
+    step()'s (NotReady): the batch then runs step(). Every row's states are
+    views or kept scalars updated in place, so a whole param needs nothing
+    after the call; a split param's pieces start from copies of its scalars,
+    the last one's kept."""
     calls: dict[int, tuple[list, list, list]] = {}  # per group: its rows, their grads, their states by name
     last_pieces = []  # (param, its scalars after the update) for each split param's last piece
     with torch.no_grad():  # (a deferred step's batches run on the runtime's thread)
@@ -610,9 +611,9 @@ def _functional_batch(step: _StepContext, batch: int, params: list[torch.Tensor]
                                                               row_views):
             if grad is None:
                 continue
-            if not step.had_state[index]:
-                return False
             plan = step.row_plans[index]
+            if plan.kept and not step.had_state[index]:  # (a row that keeps nothing, SGD's without momentum, has none)
+                return False
             scalars = step.scalars[index]
             if count != plan.numel:  # a piece: only contiguous params are cut
                 param = param.view(-1)[offset:offset + count]

@@ -454,7 +454,7 @@ int main() {
     std::fprintf(stderr, "%d failure(s)\n", failures);
     return 1;
   }
-  std::printf("pipeline_stress: 21 pipeline cases (6 with resident slots) x 12 steps, inline and deferred, copies delayed, "
-              "mixed and undelayed, 300 partitions and 400 store layouts passed\n");
+  std::printf("pipeline_stress: 63 pipeline cases (18 with resident slots; copies delayed, mixed and undelayed) x 12 "
+              "steps, inline and deferred, 300 partitions and 400 store layouts passed\n");
   return 0;
 }

@@ -263,6 +263,50 @@ def test_a_pass_whose_step_is_done_ends_at_its_next_check(keep_watching):
     assert not optimizer._overlap.pending and optimizer._runtime.deferred_step_updated()
 
 
+def test_a_pass_retires_at_its_first_call_or_at_a_later_wait(monkeypatch):
+    """The other two checks of a done step: at a pass's first call, before
+    the structure walk (a forward that starts after the step is done walks
+    nothing and waits for nothing more); and at a call that needs a new
+    position, when the step finished during the forward (the rest of the
+    forward runs without the watch)."""
+    import swap_optimizer.overlap.waits as overlap_module
+
+    device = torch.device("cpu")
+    model = build(device)
+    optimizer = make_optimizer(model, True, device)
+    overlap = optimizer._overlap
+    train(model, optimizer, 2, device, "plain")  # the probe's step, then a pending one
+    walks = []
+    real_structure = overlap_module._structure
+    monkeypatch.setattr(overlap_module, "_structure", lambda m: walks.append(m) or real_structure(m))
+    tokens = tokens_for(0, device)  # (an op outside the model's calls would end the pass first)
+    optimizer._runtime.synchronize()
+    with torch.no_grad():
+        model(tokens)
+    assert walks == [] and not overlap.pending
+
+    optimizer._set_test_hooks(compute_delay_us=200_000, seed=3)  # the step is in flight at the first call
+    train(model, optimizer, 1, device, "plain")
+    schedule = overlap.schedule
+    last = max(schedule.wait_at)
+    later = next(j for j in range(2, len(schedule.sequence)) if schedule.wait_at[1] < schedule.wait_at[j] < last)
+    seen = {}
+
+    def note_pending(module, args):  # (a module's own pre-hook runs after overlap's global one)
+        seen.setdefault("pending", overlap.pending)
+
+    handles = [schedule.sequence[1].register_forward_pre_hook(lambda m, a: optimizer._runtime.synchronize()),
+               schedule.sequence[later].register_forward_pre_hook(note_pending)]
+    try:
+        with torch.no_grad():
+            loss_of(model, tokens_for(1, device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(walks) == 1 and seen == {"pending": False}
+    optimizer.wait()
+
+
 def test_an_entry_held_across_a_deferred_step_takes_edits():
     """An entry of `state` held across step() and edited after it returns, as
     torch.optim allows: the edit reaches the next step whether the step was
@@ -342,6 +386,34 @@ def test_the_private_torch_apis_overlap_uses_work_on_this_torch():
         after = torch_internals.module_structure(model)
         assert after != before
         before = after
+    moved = nn.Linear(2, 2)
+    del moved.__dict__["_parameters"]  # as a torch that keeps them elsewhere would
+    with pytest.raises(TypeError, match="without a dict `_parameters`.*overlap_forward=False"):
+        torch_internals.module_structure(nn.Sequential(moved))
+
+
+def test_the_span_lookup_finds_every_alias_among_an_ops_arguments():
+    """_C.SpanIndex (the read watch's lookup): views, slices and aliases of
+    a watched tensor, inside lists and tuples (not with lists=False), in
+    positional or keyword arguments given as any sequence or mapping; not
+    tensors beside it, empty or meta ones, or another device type's."""
+    from collections import OrderedDict
+
+    from swap_optimizer import _C
+
+    storage = torch.zeros(100)
+    watched, beside = storage[10:20], storage[20:30]
+    index = _C.SpanIndex([(watched, 7), (torch.zeros(3), 8)], torch.device("cpu"))
+    assert index.touched((watched.view(2, 5),), {}) == [7]
+    assert index.touched((storage[15:25],), {}) == [7]
+    assert index.touched((storage,), {}) == [7]  # the whole storage holds it
+    assert index.touched((beside, storage[:10], torch.empty(0), torch.empty(3, device="meta")), {}) == []
+    assert index.touched(([beside, (watched[3],)],), {}) == []  # (a tuple inside a list: one level only)
+    assert index.touched(([beside, watched[3]],), {}) == [7]
+    assert index.touched(([beside, watched[3]],), {}, lists=False) == []
+    assert index.touched([watched], OrderedDict(out=watched)) == [7, 7]
+    assert index.touched((), None) == []
+    assert _C.SpanIndex([(watched, 7)], torch.device("meta")).touched((watched,), {}) == []
 
 
 def test_a_torch_without_the_private_apis_it_needs_is_refused_naming_them(monkeypatch):

@@ -5,27 +5,29 @@ cannot be proven the one step() makes, step() runs. The parity of every
 implementation (test_rules.py, test_optimizer_capabilities.py) covers its
 numbers; these tests cover which path runs, and the fallbacks."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
 
 import swap_optimizer as so
 from swap_optimizer.rules import functional, torch_update
-from swap_optimizer.rules.functional import FUNCTIONAL_UPDATES, FunctionalUpdate, functional_update_for
+from swap_optimizer.rules.functional import FunctionalUpdate, code_digest, functional_update_for, functional_updates
 from pairs import assert_same_state, give_grads, same_bits
 from test_rules import first_variant, make_params
 
-NAMES = sorted(cls.__name__ for cls in FUNCTIONAL_UPDATES)
+NAMES = sorted(cls.__name__ for cls in functional_updates())
 CHECKED_TORCH = ("2.13", "2.14")  # the versions the calls were written against (the module's doc)
 
 
 def test_every_call_is_known_on_the_checked_torch_versions():
     version = ".".join(torch.__version__.split(".")[:2])
     if version not in CHECKED_TORCH:
-        pytest.skip(f"torch {torch.__version__}: the calls were written against {CHECKED_TORCH}; here the ones whose "
-                    "signatures differ run step() (exact, slower)")
-    assert [cls.__name__ for cls, update in FUNCTIONAL_UPDATES.items() if update is None] == []
-    assert functional_update_for(torch.optim.AdamW([nn.Parameter(torch.randn(2))])) is FUNCTIONAL_UPDATES[
+        pytest.skip(f"torch {torch.__version__}: the calls were written against {CHECKED_TORCH}'s code; here the "
+                    "classes whose code differs run step() (exact, slower)")
+    assert [cls.__name__ for cls, update in functional_updates().items() if update is None] == []
+    assert functional_update_for(torch.optim.AdamW([nn.Parameter(torch.randn(2))])) is functional_updates()[
         torch.optim.Adam]
 
 
@@ -95,6 +97,29 @@ class _OwnStepSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+class _WrappedStepAdam(torch.optim.Adam):
+    """A step wrapped with functools.wraps (inspect.unwrap sees through it)
+    that changes the grads first."""
+
+    @functools.wraps(torch.optim.Adam.step)
+    def step(self, closure=None):
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.clamp_(-0.1, 0.1)
+        return super().step(closure)
+
+
+class _OwnInitGroupAdam(torch.optim.Adam):
+    """Adam's step, its own _init_group (which step() calls)."""
+
+    def _init_group(self, group, params, grads, *lists):
+        has_complex = super()._init_group(group, params, grads, *lists)
+        grads[:] = [g.clamp(-0.1, 0.1) for g in grads]
+        return has_complex
+
+
 class _ExtraSettingSGD(torch.optim.SGD):
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
@@ -103,9 +128,35 @@ class _ExtraSettingSGD(torch.optim.SGD):
 
 def test_a_subclass_or_an_unknown_setting_runs_step():
     params = [nn.Parameter(torch.randn(3))]
-    assert functional_update_for(torch.optim.SGD(params, lr=0.1)) is FUNCTIONAL_UPDATES[torch.optim.SGD]
-    assert functional_update_for(_OwnStepSGD(params, lr=0.1)) is None
-    assert functional_update_for(_ExtraSettingSGD(params, lr=0.1)) is None
+    assert functional_update_for(torch.optim.SGD(params, lr=0.1)) is functional_updates()[torch.optim.SGD]
+    for optimizer in (_OwnStepSGD(params, lr=0.1), _WrappedStepAdam(params), _OwnInitGroupAdam(params),
+                      _ExtraSettingSGD(params, lr=0.1)):
+        assert functional_update_for(optimizer) is None, type(optimizer).__name__
+
+
+@pytest.mark.parametrize("cls", [_WrappedStepAdam, _OwnInitGroupAdam])
+def test_a_subclass_that_changes_the_step_keeps_its_results(cls, calls):
+    """Adam subclasses that keep Adam's step match the Adam declaration; one
+    whose step is wrapped, or whose _init_group differs, runs its own step
+    at every batch, bitwise the plain subclass."""
+    a, b = make_params("Adam"), make_params("Adam")
+    plain, swapped = cls(a, lr=1e-2), so.SwapOptimizer(cls(b, lr=1e-2), swap_times=4, min_numel=0)
+    for step in range(3):
+        give_grads(step, a, b)
+        plain.step()
+        swapped.step()
+    assert calls["functional"] == 0
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+
+
+def test_a_step_patched_after_the_calls_were_read_runs_step(monkeypatch):
+    """The class's step replaced later (a profiler's, a library's patch):
+    the call no longer is what that step does, so it runs step()."""
+    params = [nn.Parameter(torch.randn(3))]
+    functional_updates()  # read now, before the patch
+    original = torch.optim.SGD.step
+    monkeypatch.setattr(torch.optim.SGD, "step", lambda self, closure=None: original(self, closure))
+    assert functional_update_for(torch.optim.SGD(params, lr=0.1)) is None
 
 
 def made_up_update(params, grads, buffers, *, lr, beta):
@@ -117,19 +168,38 @@ class _MadeUp(torch.optim.Optimizer):
     def __init__(self, params, lr=0.1, beta=0.5):
         super().__init__(params, dict(lr=lr, beta=beta))
 
+    def _init_group(self, group):
+        return [p for p in group["params"] if p.grad is not None]
+
     def step(self, closure=None):
         for group in self.param_groups:
             made_up_update(group["params"], [p.grad for p in group["params"]], [], lr=group["lr"], beta=group["beta"])
 
 
-def test_a_call_whose_signature_differs_from_what_it_was_written_for_is_not_made():
-    matching = functional._functional(_MadeUp, "made_up_update", (("buffer", None),), ("lr", "beta"), ())
+class _MadeUpAgain(torch.optim.Optimizer):
+    """_MadeUp with another step: the same call, other code around it."""
+
+    def __init__(self, params, lr=0.1, beta=0.5):
+        super().__init__(params, dict(lr=lr, beta=beta))
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            made_up_update(group["params"], [p.grad for p in group["params"]], [], lr=2 * group["lr"],
+                           beta=group["beta"])
+
+    _init_group = _MadeUp._init_group
+
+
+def test_a_call_is_made_only_for_the_code_it_was_written_against():
+    """The digest covers the class's step() and _init_group source and the
+    function's parameters: the same declaration for other code is not made."""
+    written = code_digest(_MadeUp, made_up_update)
+    matching = functional._functional(_MadeUp, "made_up_update", written, (("buffer", None),), ("lr", "beta"), ())
     assert matching is not None and matching.accepts(_MadeUp([nn.Parameter(torch.randn(2))]))
-    # a keyword this torch's function takes and the declaration does not pass; a list too many; another name
-    assert functional._functional(_MadeUp, "made_up_update", (("buffer", None),), ("lr",), ()) is None
-    assert functional._functional(_MadeUp, "made_up_update", (("buffer", None), ("other", None)), ("lr", "beta"),
+    assert functional._functional(_MadeUpAgain, "made_up_update", written, (("buffer", None),), ("lr", "beta"),
                                   ()) is None
-    assert functional._functional(_MadeUp, "sgd", (("buffer", None),), ("lr", "beta"), ()) is None
+    assert code_digest(_MadeUpAgain, made_up_update) != written
+    assert functional._functional(_MadeUp, "sgd", written, (("buffer", None),), ("lr", "beta"), ()) is None
 
 
 def test_a_tensor_lr_with_foreach_raises_torchs_own_error(calls):
@@ -144,3 +214,15 @@ def test_a_tensor_lr_with_foreach_raises_torchs_own_error(calls):
     with pytest.raises(RuntimeError, match="lr as a Tensor is not supported for capturable=False and foreach=True"):
         swapped.step()
 
+
+
+def test_rows_that_keep_no_state_take_the_call_from_the_first_step(calls):
+    """SGD without momentum keeps no state: no first step creates one, so
+    every batch calls the function, bitwise torch's step."""
+    a, b, plain, swapped = _pair("SGD", swap_times=4, momentum=0.0)
+    for step in range(3):
+        give_grads(step, a, b)
+        plain.step()
+        swapped.step()
+    assert calls["step"] == 0 and calls["functional"] >= 3  # (stateless rows: one batch, nothing staged)
+    assert all(same_bits(p, q) for p, q in zip(a, b))
