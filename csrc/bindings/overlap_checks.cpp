@@ -104,27 +104,40 @@ class SpanIndex {
 // module's __dict__ as torch_internals.py names it (torch 2.11-2.14).
 // A module's dict entry `name`, which must be a dict: a torch that moved it
 // is refused here, naming it, rather than walked as if the module had none.
-py::dict module_dict(const py::dict& attributes, const char* name) {
-  PyObject* value = PyDict_GetItemString(attributes.ptr(), name);  // borrowed
-  if (value == nullptr || !PyDict_Check(value)) {
-    throw py::type_error(std::string("swap_optimizer: an nn.Module without a dict `") + name + "` (torch " +
-                         "changed its internals; overlap_forward relies on them: use overlap_forward=False)");
+// The attribute names, made once (a lookup by a C string makes a Python string each time).
+struct StructureKeys {
+  py::str compiled = py::str("_compiled_call_impl");
+  py::str parameters = py::str("_parameters");
+  py::str modules = py::str("_modules");
+};
+
+// The values of a module's mapping `name`: a dict's, or those of the mapping a
+// scripted module (torch.jit.script) keeps there instead. A module without it
+// is refused, naming it, rather than walked as if it had none.
+py::list module_values(const py::dict& attributes, const py::str& name) {
+  PyObject* value = PyDict_GetItem(attributes.ptr(), name.ptr());  // borrowed
+  if (value == nullptr) {
+    throw py::type_error("swap_optimizer: an nn.Module without `" + std::string(name) + "` (torch changed its " +
+                         "internals; overlap_forward relies on them: use overlap_forward=False)");
   }
-  return py::reinterpret_borrow<py::dict>(value);
+  if (PyDict_Check(value)) return py::reinterpret_steal<py::list>(PyDict_Values(value));
+  return py::list(py::reinterpret_borrow<py::object>(value).attr("values")());
 }
 
-void append_structure(PyObject* module, std::vector<int64_t>& out, std::unordered_set<PyObject*>& seen) {
+void append_structure(PyObject* module, const StructureKeys& keys, std::vector<int64_t>& out,
+                      std::unordered_set<PyObject*>& seen) {
   if (!seen.insert(module).second) return;
-  const py::dict attributes = py::reinterpret_borrow<py::object>(module).attr("__dict__");
+  const py::dict attributes = py::reinterpret_steal<py::dict>(PyObject_GenericGetDict(module, nullptr));
+  if (!attributes) throw py::error_already_set();
   out.push_back(reinterpret_cast<int64_t>(module));
-  PyObject* compiled = PyDict_GetItemString(attributes.ptr(), "_compiled_call_impl");  // absent: not compiled
+  PyObject* compiled = PyDict_GetItem(attributes.ptr(), keys.compiled.ptr());  // absent: not compiled
   out.push_back(compiled != nullptr && compiled != Py_None ? 1 : 0);
-  for (const auto& [name, param] : module_dict(attributes, "_parameters")) {
+  for (const py::handle param : module_values(attributes, keys.parameters)) {
     if (!param.is_none()) out.push_back(reinterpret_cast<int64_t>(param.ptr()));
   }
   out.push_back(0);  // (no object lies at address 0)
-  for (const auto& [name, child] : module_dict(attributes, "_modules")) {
-    if (!child.is_none()) append_structure(child.ptr(), out, seen);
+  for (const py::handle child : module_values(attributes, keys.modules)) {
+    if (!child.is_none()) append_structure(child.ptr(), keys, out, seen);
   }
 }
 
@@ -134,9 +147,10 @@ void bind_overlap_checks(py::module& module) {
   module.def(
       "module_structure",
       [](const py::handle& model) {
+        static const StructureKeys* keys = new StructureKeys();  // (never freed: it outlives the interpreter's end)
         std::vector<int64_t> out;
         std::unordered_set<PyObject*> seen;
-        append_structure(model.ptr(), out, seen);
+        append_structure(model.ptr(), *keys, out, seen);
         return py::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
       },
       py::arg("model"),

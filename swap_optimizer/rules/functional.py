@@ -14,13 +14,15 @@ is what bounds the step.
 The call is the one step() makes, argument for argument, so the results stay
 torch's bit for bit (the parity tests of every implementation run this path
 after the first step). It is only taken where that is proven:
-- the source of the class's step() and _init_group, and the names and kinds
-  of the function's parameters, are those this call was written against
-  (a digest of them, the same on torch 2.13 and 2.14; a torch whose code
-  differs runs step(), exact and slower);
+- the source of the class's step() (each layer of it: torch's grad-mode
+  wrapper and the step, so a step wrapped by anyone else differs) and
+  _init_group, and the names and kinds of the function's parameters, are
+  those this call was written against (a digest of them, the same on torch
+  2.13 and 2.14; a torch whose code differs runs step(), exact and slower);
 - the optimizer's step and _init_group are the class's own, the very
-  objects read (a subclass that overrides either, a step patched or wrapped
-  later, run step()), and the function is the one that step names;
+  objects read, checked at every step (a subclass that overrides either, a
+  step patched or wrapped before or after, run step()), and the function is
+  the one that step names;
 - the optimizer's settings (its defaults) are all ones the call passes or
   step() reads only to create states: a setting a subclass adds runs step();
 - every row has its states (a first step creates them: step() runs it).
@@ -51,22 +53,36 @@ class NotReady(Exception):
     (nothing has been written)."""
 
 
-def _class_step(cls: type) -> Callable:
-    """The step a class's instances run, without the profiling wrapper
-    torch.optim puts around it at the first instance (marked `hooked`)."""
+# The code of the profiling wrapper torch.optim puts around a class's step at
+# its first instance (Optimizer.profile_hook_step, marked `hooked`): known by
+# its code, since functools.wraps copies the mark onto any wrapper of it.
+_PROFILING_WRAPPER_CODE = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
+
+
+def class_step(cls: type) -> Callable:
+    """The step a class's instances run, without torch.optim's profiling wrapper."""
     step = cls.step
-    while getattr(step, "hooked", False):
+    while getattr(step, "__code__", None) is _PROFILING_WRAPPER_CODE:
         step = step.__wrapped__
     return step
 
 
+def _wrapped_layers(function: Callable) -> list[Callable]:
+    """`function` and every function it wraps (functools.wraps' __wrapped__), outermost first."""
+    layers = [function]
+    while hasattr(layers[-1], "__wrapped__") and len(layers) < 16:
+        layers.append(layers[-1].__wrapped__)
+    return layers
+
+
 def code_digest(owner: type, function: Callable) -> Optional[str]:
     """A digest of what the call depends on: the source of `owner`'s step()
-    and _init_group and the names and kinds of `function`'s parameters
-    (None: no source to read)."""
+    (each layer a wrapper adds, torch's own grad-mode wrapper included, so a
+    step wrapped by anyone else differs) and _init_group, and the names and
+    kinds of `function`'s parameters (None: no source to read)."""
     try:
         parameters = ",".join(f"{p.name}:{p.kind.name}" for p in inspect.signature(function).parameters.values())
-        text = inspect.getsource(inspect.unwrap(_class_step(owner))) + \
+        text = "".join(inspect.getsource(layer) for layer in _wrapped_layers(class_step(owner))) + \
             inspect.getsource(owner.__dict__["_init_group"]) + parameters
     except (OSError, TypeError, ValueError, KeyError):
         return None
@@ -88,7 +104,7 @@ class FunctionalUpdate:
         cls = type(optimizer)
         read = {key for key, _ in self.options.values()}
         # (differentiable: step()'s grad mode; SwapOptimizer refuses differentiable=True)
-        return (_class_step(cls) is self.step and getattr(cls, "_init_group", None) is self.init_group
+        return (class_step(cls) is self.step and getattr(cls, "_init_group", None) is self.init_group
                 and set(optimizer.defaults) <= read | self.init_only | {"differentiable"}
                 and read <= set(optimizer.defaults))
 
@@ -121,7 +137,7 @@ def _functional(owner: type, name: str, digest: str, lists: tuple[ListSpec, ...]
                 extras: tuple[str, ...], init_only: tuple[str, ...] = ()) -> Optional[FunctionalUpdate]:
     """The FunctionalUpdate of `owner` calling its module's `name`, or None
     where this torch's code is not the code it was written against (`digest`)."""
-    step = _class_step(owner)
+    step = class_step(owner)
     function = inspect.unwrap(step).__globals__.get(name)
     if function is None or code_digest(owner, function) != digest:
         return None
@@ -144,50 +160,50 @@ def functional_updates() -> dict[type, Optional[FunctionalUpdate]]:
     Made at the first use: reading the sources takes tens of milliseconds."""
     return {
         torch.optim.SGD: _functional(
-            torch.optim.SGD, "sgd", "fbe175dcbe6bbd46",
+            torch.optim.SGD, "sgd", "f471702c8b63d469",
             (("momentum_buffer", lambda group: group["momentum"] != 0),),
             ("weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize", "foreach", "fused"),
             ("has_sparse_grad", *_AMP)),
         torch.optim.Adam: _functional(
-            torch.optim.Adam, "adam", "0483f29318108962",
+            torch.optim.Adam, "adam", "95b4a47942cb8f59",
             (("exp_avg", None), ("exp_avg_sq", None), ("max_exp_avg_sq", lambda group: group["amsgrad"]),
              ("step", None)),
             ("amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable", "fused",
              "decoupled_weight_decay", *_BETAS), ("has_complex", *_AMP)),
         torch.optim.NAdam: _functional(
-            torch.optim.NAdam, "nadam", "4d81f3ddcde2ee11",
+            torch.optim.NAdam, "nadam", "d01cbcd7002492c8",
             (("exp_avg", None), ("exp_avg_sq", None), ("mu_product", None), ("step", None)),
             ("lr", "weight_decay", "momentum_decay", "eps", "maximize", "decoupled_weight_decay", "foreach",
              "capturable", "differentiable", *_BETAS), ("has_complex",)),
         torch.optim.RAdam: _functional(
-            torch.optim.RAdam, "radam", "32c0ab6fca7e85e2", (("exp_avg", None), ("exp_avg_sq", None), ("step", None)),
+            torch.optim.RAdam, "radam", "49be998007555c09", (("exp_avg", None), ("exp_avg_sq", None), ("step", None)),
             ("lr", "weight_decay", "eps", "maximize", "foreach", "capturable", "differentiable",
              "decoupled_weight_decay", *_BETAS), ("has_complex",)),
         torch.optim.Adamax: _functional(
-            torch.optim.Adamax, "adamax", "9abde85103c09178", (("exp_avg", None), ("exp_inf", None), ("step", None)),
+            torch.optim.Adamax, "adamax", "96d3082b7e3d1c7c", (("exp_avg", None), ("exp_inf", None), ("step", None)),
             ("eps", "lr", "weight_decay", "foreach", "maximize", "differentiable", "capturable", *_BETAS),
             ("has_complex",)),
         torch.optim.Adagrad: _functional(
-            torch.optim.Adagrad, "adagrad", "394f3a27013e7a49", (("sum", None), ("step", None)),
+            torch.optim.Adagrad, "adagrad", "5d93ce7fd86038dc", (("sum", None), ("step", None)),
             ("lr", "weight_decay", "lr_decay", "eps", "foreach", "maximize", "differentiable", "fused"),
             ("has_sparse_grad", "has_complex", *_AMP), init_only=("initial_accumulator_value",)),
         torch.optim.RMSprop: _functional(
-            torch.optim.RMSprop, "rmsprop", "a5dfcd29a1e99357",
+            torch.optim.RMSprop, "rmsprop", "510c276ecd22c176",
             (("square_avg", None), ("grad_avg", lambda group: group["centered"]),
              ("momentum_buffer", lambda group: group["momentum"] > 0), ("step", None)),
             ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "foreach", "maximize", "differentiable",
              "capturable"), ("has_complex",)),
         torch.optim.Adadelta: _functional(
-            torch.optim.Adadelta, "adadelta", "defd349ecf944ab7",
+            torch.optim.Adadelta, "adadelta", "460312a9e0178294",
             (("square_avg", None), ("acc_delta", None), ("step", None)),
             ("lr", "rho", "eps", "weight_decay", "foreach", "maximize", "differentiable", "capturable"),
             ("has_complex",)),
         torch.optim.ASGD: _functional(
-            torch.optim.ASGD, "asgd", "9602224721146ad9", (("ax", None), ("mu", None), ("eta", None), ("step", None)),
+            torch.optim.ASGD, "asgd", "5fefdbfd6f775e4e", (("ax", None), ("mu", None), ("eta", None), ("step", None)),
             ("lambd", "lr", "t0", "alpha", "weight_decay", "foreach", "maximize", "differentiable", "capturable"),
             ("has_complex",)),
         torch.optim.Rprop: _functional(
-            torch.optim.Rprop, "rprop", "eecd9db4c4dd4576", (("prev", None), ("step_size", None), ("step", None)),
+            torch.optim.Rprop, "rprop", "b55e945686bbe6db", (("prev", None), ("step_size", None), ("step", None)),
             (("step_size_min", "step_sizes", 0), ("step_size_max", "step_sizes", 1), ("etaminus", "etas", 0),
              ("etaplus", "etas", 1), "foreach", "maximize", "differentiable", "capturable"),
             ("has_complex",), init_only=("lr",)),

@@ -30,15 +30,14 @@ from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, EIGHT_BIT, Batch
                              encode_exact, form_for, kahan_applies, kahan_round, kahan_stand_in,
                              scratch_bytes_per_element, store_keys, update_dtype, warn_if_no_16_bit)
 from .declarations import (DECLARATIONS, ELEMENT, SCALAR, WHOLE, Declaration, estimated_temporaries)
-from .functional import FunctionalUpdate, NotReady, functional_update_for
+from .functional import FunctionalUpdate, NotReady, class_step, functional_update_for
 
 
 
 def _torch_step(optimizer: torch.optim.Optimizer):
     """The class's own step, without the per-instance and global step hooks
     that torch wraps it in (those run once per SwapOptimizer.step())."""
-    step = type(optimizer).step
-    return step.__wrapped__ if getattr(step, "hooked", False) else step
+    return class_step(type(optimizer))
 
 
 def _fingerprint(value) -> tuple:
@@ -1173,7 +1172,9 @@ class TorchUpdateRule:
                     grad_scale={name: _fresh(value) for name, value in amp.items()},
                     group_writes=writes, rounding_seed=getattr(self, "_rounding_seed", None),
                     global_offsets=self._global_offsets)
-                if self._functional is not None and writes is None and self._functional_fits:
+                # (accepts: a class patched since this rule was made runs step() from then on)
+                if self._functional is not None and writes is None and self._functional_fits and \
+                        self._functional.accepts(self.optimizer):
                     context.functional = self._functional
                     context.functional_keywords = [self._functional.keywords(g) for g in self._step_groups]
                 streamed = [None if i in first else grad for i, grad in enumerate(grads)] if first else grads

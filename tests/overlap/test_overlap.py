@@ -386,9 +386,12 @@ def test_the_private_torch_apis_overlap_uses_work_on_this_torch():
         after = torch_internals.module_structure(model)
         assert after != before
         before = after
+    # a scripted module keeps its params and children in mappings of its own
+    scripted = nn.Sequential(nn.Linear(2, 2), torch.jit.script(nn.Linear(2, 2)))
+    assert torch_internals.module_structure(scripted) == torch_internals.module_structure(scripted)
     moved = nn.Linear(2, 2)
     del moved.__dict__["_parameters"]  # as a torch that keeps them elsewhere would
-    with pytest.raises(TypeError, match="without a dict `_parameters`.*overlap_forward=False"):
+    with pytest.raises(TypeError, match="without `_parameters`.*overlap_forward=False"):
         torch_internals.module_structure(nn.Sequential(moved))
 
 

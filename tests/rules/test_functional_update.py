@@ -149,14 +149,38 @@ def test_a_subclass_that_changes_the_step_keeps_its_results(cls, calls):
     assert all(same_bits(p, q) for p, q in zip(a, b))
 
 
-def test_a_step_patched_after_the_calls_were_read_runs_step(monkeypatch):
-    """The class's step replaced later (a profiler's, a library's patch):
-    the call no longer is what that step does, so it runs step()."""
-    params = [nn.Parameter(torch.randn(3))]
-    functional_updates()  # read now, before the patch
+@pytest.mark.parametrize("when", ["before the calls are read", "after", "after the SwapOptimizer is made"])
+def test_a_step_patched_on_the_class_runs_step(monkeypatch, when, calls):
+    """The class's step replaced, even by a functools.wraps wrapper (a
+    profiler's, a library's patch), before or after the calls were read or
+    the SwapOptimizer made: the call no longer is what that step does, so
+    every batch from then on runs step(), and the patch runs."""
+    patched = []
     original = torch.optim.SGD.step
-    monkeypatch.setattr(torch.optim.SGD, "step", lambda self, closure=None: original(self, closure))
-    assert functional_update_for(torch.optim.SGD(params, lr=0.1)) is None
+
+    @functools.wraps(original)
+    def step(self, closure=None):
+        patched.append(True)
+        return original(self, closure)
+
+    def patch():
+        monkeypatch.setattr(torch.optim.SGD, "step", step)
+
+    monkeypatch.setattr(functional, "functional_updates", functools.cache(functional.functional_updates.__wrapped__))
+    if when == "before the calls are read":
+        patch()
+    functional.functional_updates()
+    a, b = make_params("SGD"), make_params("SGD")
+    swapped = so.SwapOptimizer(torch.optim.SGD(b, lr=0.1, momentum=0.9), swap_times=2, min_numel=0)
+    if when == "after":
+        patch()
+    for n in range(3):
+        if n == 1 and when == "after the SwapOptimizer is made":
+            patch()
+        give_grads(n, a, b)
+        calls["functional"] = calls["step"] = 0
+        swapped.step()
+    assert calls["functional"] == 0 and patched
 
 
 def made_up_update(params, grads, buffers, *, lr, beta):
