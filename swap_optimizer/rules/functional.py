@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -53,18 +54,34 @@ class NotReady(Exception):
     (nothing has been written)."""
 
 
-# The code of the profiling wrapper torch.optim puts around a class's step at
-# its first instance (Optimizer.profile_hook_step, marked `hooked`): known by
-# its code, since functools.wraps copies the mark onto any wrapper of it.
+# The wrappers torch itself puts around a class's step and _init_group, which
+# change nothing they compute: torch.optim's profiling wrapper (its first
+# instance wraps the class's step: Optimizer.profile_hook_step, marked
+# `hooked`) and torch._dynamo's `disable` (its first torch.compile wraps every
+# torch.optim class's _init_group). Each is known by its code, since
+# functools.wraps copies their marks onto any wrapper of them.
 _PROFILING_WRAPPER_CODE = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
+_DYNAMO_EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
+
+
+def _without_torch_wrappers(function: Optional[Callable]) -> Optional[Callable]:
+    while hasattr(function, "__wrapped__"):
+        code = getattr(function, "__code__", None)
+        dynamo_disable = getattr(function, "_torchdynamo_disable", False) and code is not None and \
+            code.co_filename.endswith(_DYNAMO_EVAL_FRAME)
+        if code is not _PROFILING_WRAPPER_CODE and not dynamo_disable:
+            break
+        function = function.__wrapped__
+    return function
 
 
 def class_step(cls: type) -> Callable:
-    """The step a class's instances run, without torch.optim's profiling wrapper."""
-    step = cls.step
-    while getattr(step, "__code__", None) is _PROFILING_WRAPPER_CODE:
-        step = step.__wrapped__
-    return step
+    """The step a class's instances run, without torch's own wrappers."""
+    return _without_torch_wrappers(cls.step)
+
+
+def _class_init_group(cls: type) -> Optional[Callable]:
+    return _without_torch_wrappers(getattr(cls, "_init_group", None))
 
 
 def _wrapped_layers(function: Callable) -> list[Callable]:
@@ -83,7 +100,7 @@ def code_digest(owner: type, function: Callable) -> Optional[str]:
     try:
         parameters = ",".join(f"{p.name}:{p.kind.name}" for p in inspect.signature(function).parameters.values())
         text = "".join(inspect.getsource(layer) for layer in _wrapped_layers(class_step(owner))) + \
-            inspect.getsource(owner.__dict__["_init_group"]) + parameters
+            inspect.getsource(_class_init_group(owner)) + parameters
     except (OSError, TypeError, ValueError, KeyError):
         return None
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -104,7 +121,7 @@ class FunctionalUpdate:
         cls = type(optimizer)
         read = {key for key, _ in self.options.values()}
         # (differentiable: step()'s grad mode; SwapOptimizer refuses differentiable=True)
-        return (class_step(cls) is self.step and getattr(cls, "_init_group", None) is self.init_group
+        return (class_step(cls) is self.step and _class_init_group(cls) is self.init_group
                 and set(optimizer.defaults) <= read | self.init_only | {"differentiable"}
                 and read <= set(optimizer.defaults))
 
@@ -145,7 +162,7 @@ def _functional(owner: type, name: str, digest: str, lists: tuple[ListSpec, ...]
     for option in options:
         keyword, key, index = (option, option, None) if isinstance(option, str) else option
         keywords[keyword] = (key, index)
-    return FunctionalUpdate(step, owner.__dict__["_init_group"], function, lists, keywords, frozenset(extras),
+    return FunctionalUpdate(step, _class_init_group(owner), function, lists, keywords, frozenset(extras),
                             frozenset(init_only))
 
 

@@ -250,3 +250,30 @@ def test_rows_that_keep_no_state_take_the_call_from_the_first_step(calls):
         swapped.step()
     assert calls["step"] == 0 and calls["functional"] >= 3  # (stateless rows: one batch, nothing staged)
     assert all(same_bits(p, q) for p, q in zip(a, b))
+
+
+def test_torch_compiles_wrappers_leave_the_call_on(monkeypatch, calls):
+    """torch.compile's first use wraps every torch.optim class's _init_group
+    in torch._dynamo.disable (eval_frame.py's TorchPatcher), which changes
+    nothing it computes: the call stays on, bitwise; a wrapper of anyone
+    else's does not."""
+    import torch._dynamo
+
+    for cls in (torch.optim.Adam, torch.optim.AdamW):
+        monkeypatch.setattr(cls, "_init_group", torch._dynamo.disable(cls._init_group))
+    params = [nn.Parameter(torch.randn(3))]
+    assert functional_update_for(torch.optim.AdamW(params)) is functional_updates()[torch.optim.Adam]
+    a, b, plain, swapped = _pair("AdamW", swap_times=4)
+    for step in range(3):
+        give_grads(step, a, b)
+        plain.step()
+        swapped.step()
+    assert calls["functional"] > 0
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+
+    @functools.wraps(torch.optim.Adam._init_group)
+    def clamped(self, group, params, grads, *lists):
+        return torch.optim.Adam._init_group.__wrapped__(self, group, params, grads, *lists)
+
+    monkeypatch.setattr(torch.optim.AdamW, "_init_group", clamped)  # (it copies the disable mark too)
+    assert functional_update_for(torch.optim.AdamW(params)) is None
