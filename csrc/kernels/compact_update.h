@@ -85,35 +85,51 @@ SWAP_HOST_DEVICE inline void store_moment(const CompactRow& r, int k, int64_t i,
   static_cast<state_t*>(r.moment[k])[i] = static_cast<state_t>(value);
 }
 
-// An 8-bit moment: its code decoded with its block's absmax.
-SWAP_HOST_DEVICE inline float load_code(const CompactRow& r, const CodeMaps& maps, int k, int64_t i) {
-  const CodeMap& map = k == kMomentExpAvg ? maps.signed_map : maps.unsigned_map;
-  return decode(map, static_cast<const uint8_t*>(r.moment[k])[i], r.absmax[k][i / kQuantBlock]);
+// How moment k's codes are kept: exp_avg in the signed map, rounded to the
+// nearest code; exp_avg_sq the nearest, but never 0 for a positive value;
+// max_exp_avg_sq rounded up, so it never falls below a value it held.
+SWAP_HOST_DEVICE inline int moment_map_kind(int k) { return k == kMomentExpAvg ? kSignedMap : kUnsignedMap; }
+SWAP_HOST_DEVICE inline const CodeMap& moment_map(const CodeMaps& maps, int k) {
+  return moment_map_kind(k) == kSignedMap ? maps.signed_map : maps.unsigned_map;
+}
+SWAP_HOST_DEVICE inline int moment_rounding(int k) {
+  return k == kMomentExpAvg ? kRoundNearest : k == kMomentExpAvgSq ? kRoundNearestNonzero : kRoundUp;
 }
 
-// Stores an 8-bit moment given its block's new absmax: nearest code, except
-// that exp_avg_sq never codes a positive value as 0, and max_exp_avg_sq rounds
-// up so it never falls below a value it held.
+// An 8-bit moment: its code decoded with its block's absmax.
+SWAP_HOST_DEVICE inline float load_code(const CompactRow& r, const CodeMaps& maps, int k, int64_t i) {
+  return decode(moment_map(maps, k), static_cast<const uint8_t*>(r.moment[k])[i], r.absmax[k][i / kQuantBlock]);
+}
+
+// Stores an 8-bit moment given its block's new absmax.
 // `search` (host only, may be null) speeds up finding the code, not its value.
 SWAP_HOST_DEVICE inline void store_code(const CompactRow& r, const CodeMaps& maps, const CodeSearch* search, int k,
                                         int64_t i, float value, float absmax) {
-  const int map_kind = k == kMomentExpAvg ? kSignedMap : kUnsignedMap;
-  const int rounding = k == kMomentExpAvg ? kRoundNearest : k == kMomentExpAvgSq ? kRoundNearestNonzero : kRoundUp;
+  const int rounding = moment_rounding(k);
   static_cast<uint8_t*>(r.moment[k])[i] =
-      encode_code(map_kind == kSignedMap ? maps.signed_map : maps.unsigned_map,
-                  search ? bucket_starts_for(*search, map_kind, rounding) : nullptr, rounding, value, absmax);
+      encode_code(moment_map(maps, k), search ? bucket_starts_for(*search, moment_map_kind(k), rounding) : nullptr,
+                  rounding, value, absmax);
+}
+
+// One element's update given its moments, already loaded: reads the start and
+// the grad, writes the result; the moments are updated in place.
+template <typename param_t>
+SWAP_HOST_DEVICE inline void update_param_element(const CompactRow& r, int64_t i, const AdamHyper& hyper,
+                                                  const StepScalars& s, const float* grad_scale, float& exp_avg,
+                                                  float& exp_avg_sq, float& max_exp_avg_sq) {
+  float p = load_start<param_t>(r, i);
+  adam_update(p, load_grad<param_t>(r, i, grad_scale), exp_avg, exp_avg_sq, max_exp_avg_sq, hyper, s);
+  store_result<param_t>(r, i, p);
 }
 
 // One element of a row whose moments are values: the whole update.
 template <typename param_t, typename state_t>
 SWAP_HOST_DEVICE inline void update_value_element(const CompactRow& r, int64_t i, const AdamHyper& hyper,
                                                   const StepScalars& s, const float* grad_scale) {
-  float p = load_start<param_t>(r, i);
   float m = load_moment<state_t>(r, kMomentExpAvg, i);
   float v = load_moment<state_t>(r, kMomentExpAvgSq, i);
   float v_max = hyper.amsgrad ? load_moment<state_t>(r, kMomentMaxExpAvgSq, i) : 0.f;
-  adam_update(p, load_grad<param_t>(r, i, grad_scale), m, v, v_max, hyper, s);
-  store_result<param_t>(r, i, p);
+  update_param_element<param_t>(r, i, hyper, s, grad_scale, m, v, v_max);
   store_moment<state_t>(r, kMomentExpAvg, i, m, s.step);
   store_moment<state_t>(r, kMomentExpAvgSq, i, v, s.step);
   if (hyper.amsgrad) store_moment<state_t>(r, kMomentMaxExpAvgSq, i, v_max, s.step);
@@ -126,12 +142,10 @@ template <typename param_t>
 SWAP_HOST_DEVICE inline void update_code_element(const CompactRow& r, const CodeMaps& maps, int64_t i,
                                                  const AdamHyper& hyper, const StepScalars& s,
                                                  const float* grad_scale, float (&moments)[3]) {
-  float p = load_start<param_t>(r, i);
   moments[0] = load_code(r, maps, kMomentExpAvg, i);
   moments[1] = load_code(r, maps, kMomentExpAvgSq, i);
   moments[2] = hyper.amsgrad ? load_code(r, maps, kMomentMaxExpAvgSq, i) : 0.f;
-  adam_update(p, load_grad<param_t>(r, i, grad_scale), moments[0], moments[1], moments[2], hyper, s);
-  store_result<param_t>(r, i, p);
+  update_param_element<param_t>(r, i, hyper, s, grad_scale, moments[0], moments[1], moments[2]);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <vector>
 
 namespace swap_optimizer {
@@ -36,17 +37,27 @@ CodeMap make_dynamic_map(bool is_signed) {
 
 // Bucket b holds the floats whose top bits are b; its lowest value is its
 // smallest bit pattern when positive, its largest when negative. Buckets of
-// infinities and NaNs (which compare below nothing) start at 0.
+// infinities and NaNs (which compare below nothing) start at 0: count_below
+// takes +inf, the one value there that is not, out of the steps. Throws if a
+// bucket needs more than kBucketSteps steps to reach the count of its highest
+// value (up to sorted[254], above which count_below needs none).
 void fill_bucket_starts(const float* sorted, uint8_t* starts) {
   constexpr int kLowBits = 32 - kBucketBits;
+  constexpr uint32_t kLowMask = (1u << kLowBits) - 1;
   for (uint32_t bucket = 0; bucket < (1u << kBucketBits); ++bucket) {
-    if (((bucket << kLowBits) & 0x7f800000u) == 0x7f800000u) {
+    const uint32_t top = bucket << kLowBits;
+    if ((top & 0x7f800000u) == 0x7f800000u) {
       starts[bucket] = 0;
       continue;
     }
     const bool negative = (bucket >> (kBucketBits - 1)) != 0;
-    const uint32_t lowest = (bucket << kLowBits) | (negative ? (1u << kLowBits) - 1 : 0u);
-    starts[bucket] = static_cast<uint8_t>(count_below(sorted, nullptr, float_from_bits(lowest)));
+    const int start = count_below(sorted, nullptr, float_from_bits(negative ? top | kLowMask : top));
+    const float highest = std::min(float_from_bits(negative ? top : top | kLowMask), sorted[kCodes - 2]);
+    if (count_below(sorted, nullptr, highest) - start > kBucketSteps) {
+      throw std::logic_error("state_codec: a code search bucket needs more than kBucketSteps steps; raise "
+                             "kBucketBits or kBucketSteps");
+    }
+    starts[bucket] = static_cast<uint8_t>(start);
   }
 }
 

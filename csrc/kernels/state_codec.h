@@ -38,15 +38,20 @@ struct CodeMaps {
 const CodeMaps& code_maps();
 
 // Host-only shortcut for count_below: for each bucket of floats that share
-// their top kBucketBits bits (sign, exponent, 4 mantissa bits), how many of a
-// sorted array's first 255 entries lie below the bucket's lowest value. A
-// search starts there and steps forward, usually 0 to 3 times: the same count
-// as the binary search, without its chain of dependent loads.
-constexpr int kBucketBits = 13;
+// their top kBucketBits bits (sign, exponent, 7 mantissa bits), how many of a
+// sorted array's first 255 entries lie below the bucket's lowest value. From
+// there kBucketSteps compare-and-steps (no branch: the CPU loops run them on
+// every element) reach the same count as the binary search, without its chain
+// of dependent loads; code_search() checks that no bucket needs more.
+constexpr int kBucketBits = 16;
+constexpr int kBucketSteps = 1;
 struct CodeSearch {
   uint8_t signed_midpoints[1 << kBucketBits];
   uint8_t unsigned_midpoints[1 << kBucketBits];
   uint8_t unsigned_values[1 << kBucketBits];
+  // The CPU vector loops gather each start as the 4 bytes from it: the last
+  // table's last 3 starts read into these.
+  uint8_t gather_padding[3];
 };
 const CodeSearch& code_search();
 
@@ -66,11 +71,19 @@ SWAP_HOST_DEVICE inline uint64_t rounding_key(uint64_t seed, int64_t param_index
   return mix64(mix64(seed + 0x9e3779b97f4a7c15ULL) ^ (static_cast<uint64_t>(param_index) * 4 + moment));
 }
 
+// The part of an element's rounding bits that all its moments share.
+SWAP_HOST_DEVICE inline uint64_t element_rounding_hash(int64_t global_index, uint32_t step) {
+  return mix64(static_cast<uint64_t>(global_index)) ^ (static_cast<uint64_t>(step) << 32);
+}
+
+// 32 random bits for one element of the state keyed `key` (rounding_key).
+SWAP_HOST_DEVICE inline uint32_t rounding_bits_of(uint64_t key, uint64_t element_hash) {
+  return static_cast<uint32_t>(mix64(key ^ element_hash) >> 32);
+}
+
 // 32 random bits for one element at one step.
 SWAP_HOST_DEVICE inline uint32_t rounding_bits(uint64_t key, int64_t global_index, uint32_t step) {
-  const uint64_t h = mix64(key ^ mix64(static_cast<uint64_t>(global_index)) ^
-                           (static_cast<uint64_t>(step) << 32));
-  return static_cast<uint32_t>(h >> 32);
+  return rounding_bits_of(key, element_rounding_hash(global_index, step));
 }
 
 SWAP_HOST_DEVICE inline uint32_t float_bits(float x) {
@@ -104,47 +117,25 @@ SWAP_HOST_DEVICE inline float magnitude_for_absmax(float x) {
   return x == x ? fabsf(x) : 0.f;
 }
 
-// How many of sorted[0..254] are below x: a binary search of fixed depth, or,
-// given the bucket starts of `sorted` (CodeSearch, host only), a step forward
-// from x's bucket.
+// How many of sorted[0..254] are below x (sorted holds kCodes entries; the
+// last is read, never counted): a binary search of fixed depth, or, given the
+// bucket starts of `sorted` (CodeSearch, host only), kBucketSteps steps
+// forward from x's bucket. Above sorted[254] (+inf, which shares its bucket
+// with NaNs) the count is 255 either way. No branch depends on x: the CPU
+// loops run this on every element.
 SWAP_HOST_DEVICE inline int count_below(const float* sorted, const uint8_t* bucket_starts, float x) {
   if (bucket_starts != nullptr) {
     int index = bucket_starts[float_bits(x) >> (32 - kBucketBits)];
-    while (index < kCodes - 1 && sorted[index] < x) ++index;
-    return index;
+    for (int step = 0; step < kBucketSteps; ++step) index += static_cast<int>(sorted[index] < x);
+    return x > sorted[kCodes - 2] ? kCodes - 1 : index;
   }
   int index = 0;
   for (int step = kCodes / 2; step > 0; step /= 2) index += sorted[index + step - 1] < x ? step : 0;
   return index;
 }
 
-// The nearest code to x / absmax (ties to the lower code); absmax 0 codes 0.
-SWAP_HOST_DEVICE inline uint8_t encode_nearest(const CodeMap& map, const uint8_t* bucket_starts, float x,
-                                               float absmax) {
-  const float normalized = absmax > 0.f ? x / absmax : 0.f;
-  return static_cast<uint8_t>(count_below(map.midpoints, bucket_starts, normalized));
-}
-
-// The smallest code that decodes to at least x (x >= 0, absmax >= x).
-SWAP_HOST_DEVICE inline uint8_t encode_up(const CodeMap& map, const uint8_t* bucket_starts, float x, float absmax) {
-  const float normalized = absmax > 0.f ? x / absmax : 0.f;
-  int code = count_below(map.values, bucket_starts, normalized);  // the first value >= normalized
-  if (code < kCodes - 1 && map.values[code] * absmax < x) ++code;  // the division rounded down
-  return static_cast<uint8_t>(code);
-}
-
-// exp_avg_sq's code: the nearest, but never 0 for a positive value. A second
-// moment rounded to 0 beside a first moment that is not (a rarely used
-// embedding row in a block with busy ones) would step by lr * m / eps.
-SWAP_HOST_DEVICE inline uint8_t encode_second_moment(const CodeMap& map, const uint8_t* bucket_starts, float x,
-                                                     float absmax) {
-  const uint8_t code = encode_nearest(map, bucket_starts, x, absmax);
-  return code == 0 && x > 0.f ? 1 : code;
-}
-
-SWAP_HOST_DEVICE inline float decode(const CodeMap& map, uint8_t code, float absmax) {
-  return map.values[code] * absmax;
-}
+// x as a multiple of its block's absmax, which codes approximate; 0 when absmax is 0.
+SWAP_HOST_DEVICE inline float normalized_for_code(float x, float absmax) { return absmax > 0.f ? x / absmax : 0.f; }
 
 // How a state's value is rounded to a code (the codec ops' `rounding`):
 // nearest (signed states: momentum, exp_avg), nearest but never 0 for a
@@ -155,13 +146,34 @@ enum CodeRounding : int { kRoundNearest = 0, kRoundNearestNonzero = 1, kRoundUp 
 // Which map a code array uses (the codec ops' `code_map`).
 enum CodeMapKind : int { kSignedMap = 0, kUnsignedMap = 1 };
 
-// The code of x in a block of absmax `absmax` under `rounding`; bucket_starts
-// (host only, may be null) as count_below's: midpoints for nearest, values for up.
+// The code of x under `rounding`, given normalized_for_code(x, absmax);
+// bucket_starts (host only, may be null) as count_below's: midpoints for
+// nearest, values for up.
+//  - nearest: the nearest code to the normalized value (ties to the lower);
+//  - nearest nonzero: the same, but never 0 for a positive x. A second moment
+//    rounded to 0 beside a first moment that is not (a rarely used embedding
+//    row in a block with busy ones) would step by lr * m / eps;
+//  - up: the smallest code that decodes to at least x (x >= 0, absmax >= x).
+SWAP_HOST_DEVICE inline uint8_t code_of_normalized(const CodeMap& map, const uint8_t* bucket_starts, int rounding,
+                                                   float x, float normalized, float absmax) {
+  if (rounding == kRoundUp) {
+    const int code = count_below(map.values, bucket_starts, normalized);  // the first value >= normalized
+    // +1 where the division rounded down.
+    return static_cast<uint8_t>(code + static_cast<int>((code < kCodes - 1) & (map.values[code] * absmax < x)));
+  }
+  const int code = count_below(map.midpoints, bucket_starts, normalized);
+  if (rounding == kRoundNearestNonzero) return static_cast<uint8_t>(code | static_cast<int>((code == 0) & (x > 0.f)));
+  return static_cast<uint8_t>(code);
+}
+
+// The code of x in a block of absmax `absmax` under `rounding`.
 SWAP_HOST_DEVICE inline uint8_t encode_code(const CodeMap& map, const uint8_t* bucket_starts, int rounding, float x,
                                             float absmax) {
-  if (rounding == kRoundUp) return encode_up(map, bucket_starts, x, absmax);
-  if (rounding == kRoundNearestNonzero) return encode_second_moment(map, bucket_starts, x, absmax);
-  return encode_nearest(map, bucket_starts, x, absmax);
+  return code_of_normalized(map, bucket_starts, rounding, x, normalized_for_code(x, absmax), absmax);
+}
+
+SWAP_HOST_DEVICE inline float decode(const CodeMap& map, uint8_t code, float absmax) {
+  return map.values[code] * absmax;
 }
 
 // The CodeSearch table count_below wants for (map, rounding); signed

@@ -311,3 +311,23 @@ def test_cuda_bits_equal_cpu_bits(form):
     keys = [(i, i % 4, 1000 * i, 3) for i in range(len(values))]
     for a, b in zip(encode_bf16(floats, keys, "cpu"), encode_bf16(floats, keys, "cuda")):
         assert torch.equal(bits(a), bits(b)), "bf16 stochastic rounding"
+
+
+@pytest.mark.slow  # 2^32 floats x 3 tables: about 2 minutes
+def test_host_code_search_matches_binary_search_for_every_float(tmp_path):
+    """The CPU loops find codes with bucket tables and a fixed number of
+    steps (state_codec.h, count_below), the CUDA kernels with a binary
+    search: a C++ program compares both for every float bit pattern."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++ on this machine")
+    root = Path(__file__).resolve().parents[2]
+    binary = tmp_path / "code_search_exhaustive"
+    subprocess.run([compiler, "-std=c++17", "-O2", f"-I{root / 'csrc'}", str(root / "csrc/kernels/state_codec.cpp"),
+                    str(root / "tests/cpp/code_search_exhaustive.cpp"), "-o", str(binary)], check=True)
+    out = subprocess.run([str(binary)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("all 2^32 floats agree") == 3, out.stdout

@@ -205,9 +205,12 @@ def test_bitwise_identical_across_batchings_and_placements(device, dtype):
 def digest_of_cpu_loops():
     """Prints the CPU capability torch picked and a digest of params and states
     after a few steps of the plain loops (fp32 and bf16 params, amsgrad) and
-    of the compact ones (8-bit moments with amsgrad, stochastic bf16 moments,
-    Kahan buffers with 8-bit moments). Run by the test below, once per
-    capability."""
+    of the compact ones: each kind of moment (8-bit codes, stochastic bf16,
+    bf16 and fp32 rounded to nearest) beside each start (the param, a master
+    copy, a Kahan buffer), with grads that hold inf, NaN, signed zeros and
+    magnitudes far apart. A NaN counts as a NaN whatever its payload (at::vec
+    and scalar code make different ones, as torch's own kernels do). Run by
+    the test below, once per capability."""
     import hashlib
     tensors = random_params([1, 7, 33, 1000, 4097], torch.float32, "cpu", 3) + \
         random_params([9, 1001], torch.bfloat16, "cpu", 4)
@@ -215,18 +218,29 @@ def digest_of_cpu_loops():
     for step in range(5):
         packed.step(random_grads(tensors, 3, step), AdamFlags(amsgrad=True))
     tensors += [packed.state(i, c) for i in range(7) for c in (0, 1, 2)]
-    for dtype, amsgrad, fields in [(torch.float32, True, dict(state_dtype=torch.uint8)),
-                                   (torch.float32, False, dict(state_dtype=torch.bfloat16, rounding_seed=3)),
-                                   (torch.bfloat16, False, dict(state_dtype=torch.uint8, kahan_summation=True))]:
+    for dtype, optimizer_class, fields in [
+            (torch.float32, torch.optim.AdamW, dict(state_dtype=torch.uint8, amsgrad=True)),
+            (torch.float32, torch.optim.AdamW, dict(state_dtype=torch.bfloat16, rounding_seed=3)),
+            (torch.bfloat16, torch.optim.AdamW, dict(state_dtype=torch.uint8, kahan_summation=True)),
+            (torch.bfloat16, torch.optim.Adam, dict(state_dtype=torch.bfloat16, master_weights=True, amsgrad=True,
+                                                    rounding_seed=5, weight_decay=0.1)),
+            (torch.float16, torch.optim.AdamW, dict(state_dtype=torch.uint8, master_weights=True, maximize=True)),
+            (torch.bfloat16, torch.optim.Adam, dict(state_dtype=torch.float32, kahan_summation=True, amsgrad=True)),
+            (torch.bfloat16, torch.optim.AdamW, dict(kahan_summation=True, amsgrad=True))]:
+        torch_fields = {k: fields.pop(k) for k in ("amsgrad", "maximize", "weight_decay") if k in fields}
         params = [p.requires_grad_() for p in random_params([5000, 4097, 300], dtype, "cpu", 5)]
-        optimizer = so.SwapOptimizer(torch.optim.AdamW(params, lr=1e-2, amsgrad=amsgrad), swap_times=2, min_numel=0,
+        optimizer = so.SwapOptimizer(optimizer_class(params, lr=1e-2, **torch_fields), swap_times=2, min_numel=0,
                                      **fields)
         for step in range(3):
             for p, grad in zip(params, random_grads(params, 5, step)):
                 p.grad = grad
+            special = params[0].grad
+            special[:7] = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1e-30, 3e30])
+            special[512:768] *= 1e-12
             optimizer.step()
         tensors += [p.detach() for p in params] + [v for p in params for v in optimizer.state[p].values()]
-    digest = hashlib.sha256(b"".join(t.float().numpy().tobytes() for t in tensors)).hexdigest()
+    digest = hashlib.sha256(b"".join(torch.where(t.isnan(), float("nan"), t.float()).numpy().tobytes()
+                                     if t.is_floating_point() else t.numpy().tobytes() for t in tensors)).hexdigest()
     print(torch.backends.cpu.get_cpu_capability(), digest)
 
 

@@ -41,8 +41,8 @@
 #endif
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
-#include "compact_lanes.h"
 #include "cpu_lanes.h"
+#include "compact_lanes.h"
 
 SWAP_OPTIMIZER_DEFINE_CPU_ENTRY(update_params_avx512)
 SWAP_OPTIMIZER_DEFINE_COMPACT_ENTRY(update_compact_rows_avx512)

@@ -1,8 +1,15 @@
-// CPU loops for rows with compact states (compact_update.h): scalar code the
-// compiler may vectorise, parallel over chunks of rows. An 8-bit row is updated
-// a block at a time: the block's moments are decoded, updated and kept in fp32,
-// then re-encoded against the block's new absmax. Included once per instruction
-// set by capability_*.cpp, like cpu_lanes.h (hardware FMA where there is one).
+// CPU loops for rows with compact states (compact_update.h), parallel over
+// chunks of rows. Included once per instruction set by capability_*.cpp after
+// cpu_lanes.h, whose lanes it uses (FloatVec pairs, load_pair, store_pair):
+// the Adam math runs on at::vec lanes as the default state's loops do; the
+// integer work (the stochastic rounding's hash, 8-bit codes) is plain loops
+// over a vector's worth of lanes that the compiler vectorises for the target.
+// Every element gets the bits of the per-element code in compact_update.h
+// (the tail here, the baseline build, the CUDA kernel): the float work is the
+// same operations each rounded once, the integer work is exact.
+//
+// An 8-bit row goes a block at a time: the block's moments are decoded into
+// fp32, updated, and re-encoded against the block's new absmax.
 #include "compact_update_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -15,33 +22,302 @@ namespace {
 
 constexpr int64_t kCompactChunkElements = 16384;
 static_assert(kCompactChunkElements % kQuantBlock == 0, "chunks hold whole blocks");
+static_assert(kQuantBlock % kStep == 0, "blocks hold whole vector iterations");
+
+#if !defined(CPU_CAPABILITY_DEFAULT)
+// load_start on one vector iteration's lanes.
+template <typename param_t>
+void load_start_lanes(const CompactRow& r, int64_t i, FloatVec (&p)[2]) {
+  const param_t* param = static_cast<const param_t*>(r.param) + i;
+  if (r.master != nullptr) {
+    load_pair(r.master + i, p[0], p[1]);
+    adopt_written_param(p, param);
+    return;
+  }
+  load_pair(param, p[0], p[1]);
+  if (r.compensation != nullptr) {
+    FloatVec compensation[2];
+    load_pair(static_cast<const param_t*>(r.compensation) + i, compensation[0], compensation[1]);
+    for (int k = 0; k < 2; ++k) p[k] = p[k] + compensation[k];
+  }
+}
+
+// store_result on one vector iteration's lanes.
+template <typename param_t>
+void store_result_lanes(const CompactRow& r, int64_t i, const FloatVec (&p)[2]) {
+  param_t* param = static_cast<param_t*>(r.param) + i;
+  store_pair(param, p[0], p[1]);
+  if (r.master != nullptr) store_pair(r.master + i, p[0], p[1]);
+  if (r.compensation != nullptr) {
+    FloatVec rounded[2];
+    load_pair(param, rounded[0], rounded[1]);
+    store_pair(static_cast<param_t*>(r.compensation) + i, p[0] - rounded[0], p[1] - rounded[1]);
+  }
+}
+
+// update_param_element on one vector iteration's lanes.
+template <typename param_t>
+void update_param_lanes(const CompactRow& r, int64_t i, const AdamHyper& hyper, const StepScalars& s,
+                        const float* grad_scale, FloatVec (&exp_avg)[2], FloatVec (&exp_avg_sq)[2],
+                        FloatVec (&max_exp_avg_sq)[2]) {
+  FloatVec p[2], g[2];
+  load_start_lanes<param_t>(r, i, p);
+  load_pair(static_cast<const param_t*>(r.grad) + i, g[0], g[1]);
+  for (int k = 0; k < 2; ++k) {
+    if (grad_scale != nullptr) g[k] = g[k] / FloatVec(*grad_scale);
+    adam_update(p[k], g[k], exp_avg[k], exp_avg_sq[k], max_exp_avg_sq[k], hyper, s);
+  }
+  store_result_lanes<param_t>(r, i, p);
+}
+
+// store_moment on one vector iteration's lanes; `element_hash` holds the
+// lanes' element_rounding_hash when bf16 moments round stochastically.
+template <typename state_t>
+void store_moment_lanes(const CompactRow& r, int k, int64_t i, const FloatVec (&x)[2],
+                        const uint64_t (&element_hash)[kStep]) {
+  if constexpr (std::is_same_v<state_t, c10::BFloat16>) {
+    if (r.stochastic) {
+      float values[kStep];
+      x[0].store(values);
+      x[1].store(values + kLanes);
+      uint16_t* out = static_cast<uint16_t*>(r.moment[k]) + i;
+      const uint64_t key = r.rounding_key[k];
+      for (int64_t j = 0; j < kStep; ++j) out[j] = bf16_bits_stochastic(values[j], rounding_bits_of(key, element_hash[j]));
+      return;
+    }
+  }
+  store_pair(static_cast<state_t*>(r.moment[k]) + i, x[0], x[1]);
+}
+
+// magnitude_for_absmax on lanes.
+FloatVec magnitude_lanes(const FloatVec& x) { return FloatVec::blendv(x.abs(), FloatVec(0.f), x != x); }
+#endif
+
+// 8-bit codes on lanes, with the gathers AVX2 and AVX-512 have: the twins of
+// decode and code_of_normalized (state_codec.h), one vector of kLanes
+// elements at a time. Predicates are lanes of 0 or 1.
+#if defined(CPU_CAPABILITY_AVX512)
+using IntLanes = __m512i;
+using FloatLanes = __m512;
+IntLanes int_lanes(int value) { return _mm512_set1_epi32(value); }
+IntLanes add(IntLanes a, IntLanes b) { return _mm512_add_epi32(a, b); }
+IntLanes bit_and(IntLanes a, IntLanes b) { return _mm512_and_si512(a, b); }
+IntLanes bit_or(IntLanes a, IntLanes b) { return _mm512_or_si512(a, b); }
+IntLanes mask_to_predicate(__mmask16 mask) { return _mm512_maskz_mov_epi32(mask, int_lanes(1)); }
+IntLanes less(FloatLanes a, FloatLanes b) { return mask_to_predicate(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ)); }
+IntLanes is_zero(IntLanes a) { return mask_to_predicate(_mm512_cmpeq_epi32_mask(a, int_lanes(0))); }
+IntLanes is_below(IntLanes a, int bound) { return mask_to_predicate(_mm512_cmplt_epi32_mask(a, int_lanes(bound))); }
+IntLanes select(IntLanes predicate, IntLanes if_one, IntLanes if_zero) {
+  return _mm512_mask_mov_epi32(if_zero, _mm512_test_epi32_mask(predicate, predicate), if_one);
+}
+IntLanes bucket_of(FloatLanes x) { return _mm512_srli_epi32(_mm512_castps_si512(x), 32 - kBucketBits); }
+// The masked gathers (all lanes on) name their fallback lanes, which GCC
+// otherwise warns are uninitialised.
+FloatLanes gather_floats(const float* base, IntLanes index) {
+  return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xffff, index, base, 4);
+}
+IntLanes gather_bytes(const uint8_t* base, IntLanes index) {
+  return bit_and(_mm512_mask_i32gather_epi32(int_lanes(0), 0xffff, index, base, 1), int_lanes(0xff));
+}
+IntLanes load_codes(const uint8_t* codes) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+}
+void store_codes(uint8_t* codes, IntLanes lanes) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(lanes));
+}
+FloatLanes load_floats(const float* values) { return _mm512_loadu_ps(values); }
+void store_floats(float* values, FloatLanes lanes) { _mm512_storeu_ps(values, lanes); }
+FloatLanes float_lanes(float value) { return _mm512_set1_ps(value); }
+FloatLanes multiply(FloatLanes a, FloatLanes b) { return _mm512_mul_ps(a, b); }
+FloatLanes divide(FloatLanes a, FloatLanes b) { return _mm512_div_ps(a, b); }
+#define SWAP_OPTIMIZER_CODE_LANES
+#elif defined(CPU_CAPABILITY_AVX2)
+using IntLanes = __m256i;
+using FloatLanes = __m256;
+IntLanes int_lanes(int value) { return _mm256_set1_epi32(value); }
+IntLanes add(IntLanes a, IntLanes b) { return _mm256_add_epi32(a, b); }
+IntLanes bit_and(IntLanes a, IntLanes b) { return _mm256_and_si256(a, b); }
+IntLanes bit_or(IntLanes a, IntLanes b) { return _mm256_or_si256(a, b); }
+IntLanes mask_to_predicate(IntLanes all_ones_or_zero) { return _mm256_srli_epi32(all_ones_or_zero, 31); }
+IntLanes less(FloatLanes a, FloatLanes b) {
+  return mask_to_predicate(_mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)));
+}
+IntLanes is_zero(IntLanes a) { return mask_to_predicate(_mm256_cmpeq_epi32(a, int_lanes(0))); }
+IntLanes is_below(IntLanes a, int bound) { return mask_to_predicate(_mm256_cmpgt_epi32(int_lanes(bound), a)); }
+IntLanes select(IntLanes predicate, IntLanes if_one, IntLanes if_zero) {
+  return _mm256_blendv_epi8(if_zero, if_one, _mm256_sub_epi32(int_lanes(0), predicate));
+}
+IntLanes bucket_of(FloatLanes x) { return _mm256_srli_epi32(_mm256_castps_si256(x), 32 - kBucketBits); }
+FloatLanes gather_floats(const float* base, IntLanes index) { return _mm256_i32gather_ps(base, index, 4); }
+IntLanes gather_bytes(const uint8_t* base, IntLanes index) {
+  return bit_and(_mm256_i32gather_epi32(reinterpret_cast<const int*>(base), index, 1), int_lanes(0xff));
+}
+IntLanes load_codes(const uint8_t* codes) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+}
+void store_codes(uint8_t* codes, IntLanes lanes) {
+  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm_packus_epi16(words, words));
+}
+FloatLanes load_floats(const float* values) { return _mm256_loadu_ps(values); }
+void store_floats(float* values, FloatLanes lanes) { _mm256_storeu_ps(values, lanes); }
+FloatLanes float_lanes(float value) { return _mm256_set1_ps(value); }
+FloatLanes multiply(FloatLanes a, FloatLanes b) { return _mm256_mul_ps(a, b); }
+FloatLanes divide(FloatLanes a, FloatLanes b) { return _mm256_div_ps(a, b); }
+#define SWAP_OPTIMIZER_CODE_LANES
+#endif
+
+#ifdef SWAP_OPTIMIZER_CODE_LANES
+constexpr int64_t kCodeLanes = sizeof(FloatLanes) / sizeof(float);
+static_assert(kQuantBlock % kCodeLanes == 0, "blocks hold whole vectors of codes");
+
+// count_below with bucket starts, on lanes.
+IntLanes count_below_lanes(const float* sorted, const uint8_t* bucket_starts, FloatLanes x) {
+  IntLanes index = gather_bytes(bucket_starts, bucket_of(x));
+  for (int step = 0; step < kBucketSteps; ++step) index = add(index, less(gather_floats(sorted, index), x));
+  return select(less(float_lanes(sorted[kCodes - 2]), x), int_lanes(kCodes - 1), index);
+}
+
+// code_of_normalized on lanes.
+template <int rounding>
+IntLanes code_lanes(const CodeMap& map, const uint8_t* bucket_starts, FloatLanes x, FloatLanes normalized,
+                    FloatLanes absmax) {
+  if constexpr (rounding == kRoundUp) {
+    const IntLanes code = count_below_lanes(map.values, bucket_starts, normalized);
+    const IntLanes rounded_down = less(multiply(gather_floats(map.values, code), absmax), x);
+    return add(code, bit_and(is_below(code, kCodes - 1), rounded_down));
+  }
+  const IntLanes code = count_below_lanes(map.midpoints, bucket_starts, normalized);
+  if constexpr (rounding == kRoundNearestNonzero) {
+    return bit_or(code, bit_and(is_zero(code), less(float_lanes(0.f), x)));
+  }
+  return code;
+}
+#endif
 
 template <typename param_t, typename state_t>
-void update_values(const CompactRow& r, int64_t begin, int64_t end, const AdamHyper& hyper,
-                   const StepScalars& s, const float* grad_scale) {
-  for (int64_t i = begin; i < end; ++i) update_value_element<param_t, state_t>(r, i, hyper, s, grad_scale);
+__attribute__((flatten)) void update_values(const CompactRow& shared_row, int64_t begin, int64_t end,
+                                            const AdamHyper& shared_hyper, const StepScalars& shared_scalars,
+                                            const float* grad_scale) {
+  // Local copies: the stores could alias anything behind a reference.
+  const CompactRow r = shared_row;
+  const AdamHyper hyper = shared_hyper;
+  const StepScalars s = shared_scalars;
+  int64_t i = begin;
+#if !defined(CPU_CAPABILITY_DEFAULT)
+  const bool stochastic = std::is_same_v<state_t, c10::BFloat16> && r.stochastic;
+  uint64_t element_hash[kStep] = {};
+  for (; i + kStep <= end; i += kStep) {
+    FloatVec m[2], v[2], v_max[2] = {FloatVec(0.f), FloatVec(0.f)};
+    load_pair(static_cast<const state_t*>(r.moment[kMomentExpAvg]) + i, m[0], m[1]);
+    load_pair(static_cast<const state_t*>(r.moment[kMomentExpAvgSq]) + i, v[0], v[1]);
+    if (hyper.amsgrad) load_pair(static_cast<const state_t*>(r.moment[kMomentMaxExpAvgSq]) + i, v_max[0], v_max[1]);
+    update_param_lanes<param_t>(r, i, hyper, s, grad_scale, m, v, v_max);
+    if (stochastic) {
+      for (int64_t j = 0; j < kStep; ++j) element_hash[j] = element_rounding_hash(r.global_offset + i + j, s.step);
+    }
+    store_moment_lanes<state_t>(r, kMomentExpAvg, i, m, element_hash);
+    store_moment_lanes<state_t>(r, kMomentExpAvgSq, i, v, element_hash);
+    if (hyper.amsgrad) store_moment_lanes<state_t>(r, kMomentMaxExpAvgSq, i, v_max, element_hash);
+  }
+#endif
+  for (; i < end; ++i) update_value_element<param_t, state_t>(r, i, hyper, s, grad_scale);
+}
+
+// The first `count` elements of an 8-bit block from `block`: the moments in
+// `moments` (decoded) are updated in place, the params written, and
+// `absmax` gets each updated moment's block absmax.
+template <typename param_t>
+void update_block(const CompactRow& r, int64_t block, int64_t count, const AdamHyper& hyper, const StepScalars& s,
+                  const float* grad_scale, int moments, float (&value)[3][kQuantBlock], float (&absmax)[3]) {
+  int64_t j = 0;
+  std::fill(absmax, absmax + 3, 0.f);
+#if !defined(CPU_CAPABILITY_DEFAULT)
+  FloatVec lanes_absmax[3] = {FloatVec(0.f), FloatVec(0.f), FloatVec(0.f)};
+  for (; j + kStep <= count; j += kStep) {
+    FloatVec updated[3][2] = {{}, {}, {FloatVec(0.f), FloatVec(0.f)}};
+    for (int k = 0; k < moments; ++k) load_pair(value[k] + j, updated[k][0], updated[k][1]);
+    update_param_lanes<param_t>(r, block + j, hyper, s, grad_scale, updated[0], updated[1], updated[2]);
+    for (int k = 0; k < moments; ++k) {
+      store_pair(value[k] + j, updated[k][0], updated[k][1]);
+      lanes_absmax[k] = at::vec::maximum(lanes_absmax[k], at::vec::maximum(magnitude_lanes(updated[k][0]),
+                                                                           magnitude_lanes(updated[k][1])));
+    }
+  }
+  // Magnitudes hold no NaN, so the order of the max does not matter.
+  for (int k = 0; k < moments; ++k) {
+    float lanes[kLanes];
+    lanes_absmax[k].store(lanes);
+    absmax[k] = *std::max_element(lanes, lanes + kLanes);
+  }
+#endif
+  for (; j < count; ++j) {
+    update_param_element<param_t>(r, block + j, hyper, s, grad_scale, value[0][j], value[1][j], value[2][j]);
+    for (int k = 0; k < moments; ++k) absmax[k] = std::max(absmax[k], magnitude_for_absmax(value[k][j]));
+  }
+}
+
+// Moment k's `count` codes from `codes`, decoded into `values`.
+void decode_block(const CodeMap& map, const uint8_t* codes, int64_t count, float absmax, float* values) {
+  int64_t j = 0;
+#ifdef SWAP_OPTIMIZER_CODE_LANES
+  for (; j + kCodeLanes <= count; j += kCodeLanes) {
+    store_floats(values + j, multiply(gather_floats(map.values, load_codes(codes + j)), float_lanes(absmax)));
+  }
+#endif
+  for (; j < count; ++j) values[j] = decode(map, codes[j], absmax);
+}
+
+// store_code's rule over a block's `count` values, with the host's bucket
+// search. `rounding` is a template argument so the loops carry no branch on it.
+template <int rounding>
+void encode_block(const CodeMap& map, const uint8_t* bucket_starts, const float* values, int64_t count,
+                  float absmax, uint8_t* codes) {
+  int64_t j = 0;
+#ifdef SWAP_OPTIMIZER_CODE_LANES
+  const FloatLanes absmax_lanes = float_lanes(absmax);
+  for (; j + kCodeLanes <= count; j += kCodeLanes) {
+    const FloatLanes x = load_floats(values + j);
+    // normalized_for_code
+    const FloatLanes normalized = absmax > 0.f ? divide(x, absmax_lanes) : float_lanes(0.f);
+    store_codes(codes + j, code_lanes<rounding>(map, bucket_starts, x, normalized, absmax_lanes));
+  }
+#endif
+  for (; j < count; ++j) {
+    codes[j] = code_of_normalized(map, bucket_starts, rounding, values[j], normalized_for_code(values[j], absmax), absmax);
+  }
 }
 
 template <typename param_t>
-void update_codes(const CompactRow& r, int64_t begin, int64_t end, const AdamHyper& hyper,
-                  const StepScalars& s, const float* grad_scale) {
+__attribute__((flatten)) void update_codes(const CompactRow& shared_row, int64_t begin, int64_t end,
+                                           const AdamHyper& shared_hyper, const StepScalars& shared_scalars,
+                                           const float* grad_scale) {
+  const CompactRow r = shared_row;
+  const AdamHyper hyper = shared_hyper;
+  const StepScalars s = shared_scalars;
   const CodeMaps& maps = code_maps();
   const CodeSearch& search = code_search();
   const int moments = hyper.amsgrad ? 3 : 2;
-  float value[kQuantBlock][3];
+  alignas(64) float value[3][kQuantBlock];
+  float absmax[3];
   for (int64_t block = begin; block < end; block += kQuantBlock) {
     const int64_t count = std::min(kQuantBlock, end - block);
-    float absmax[3] = {0.f, 0.f, 0.f};
-    for (int64_t j = 0; j < count; ++j) {
-      update_code_element<param_t>(r, maps, block + j, hyper, s, grad_scale, value[j]);
-      for (int k = 0; k < moments; ++k) {
-        const float magnitude = magnitude_for_absmax(value[j][k]);
-        if (magnitude > absmax[k]) absmax[k] = magnitude;
-      }
+    for (int k = 0; k < moments; ++k) {
+      decode_block(moment_map(maps, k), static_cast<const uint8_t*>(r.moment[k]) + block, count,
+                   r.absmax[k][block / kQuantBlock], value[k]);
     }
+    update_block<param_t>(r, block, count, hyper, s, grad_scale, moments, value, absmax);
     for (int k = 0; k < moments; ++k) {
       r.absmax[k][block / kQuantBlock] = absmax[k];
-      for (int64_t j = 0; j < count; ++j) store_code(r, maps, &search, k, block + j, value[j][k], absmax[k]);
+      uint8_t* codes = static_cast<uint8_t*>(r.moment[k]) + block;
+      const uint8_t* starts = bucket_starts_for(search, moment_map_kind(k), moment_rounding(k));
+      switch (moment_rounding(k)) {
+        case kRoundNearest: encode_block<kRoundNearest>(moment_map(maps, k), starts, value[k], count, absmax[k], codes); break;
+        case kRoundNearestNonzero:
+          encode_block<kRoundNearestNonzero>(moment_map(maps, k), starts, value[k], count, absmax[k], codes);
+          break;
+        default: encode_block<kRoundUp>(moment_map(maps, k), starts, value[k], count, absmax[k], codes); break;
+      }
     }
   }
 }
