@@ -118,7 +118,8 @@ def parser() -> argparse.ArgumentParser:
                         "--overlap runs with all but muon)")
     p.add_argument("--warmup", type=_positive_int, default=3, help="untimed steps per mode")
     p.add_argument("--repeats", type=_positive_int, default=10, help="timed steps per mode (median; at least 10)")
-    p.add_argument("--quick", action="store_true", help="the micro model, one warm-up step: about 30 s on a CPU")
+    p.add_argument("--quick", action="store_true", help="the micro model, one warm-up step: about 30 s on a CPU (with --host-overhead: "
+                        "compact states over 64k elements instead of 4M)")
     p.add_argument("--overlap", action="store_true",
                    help="add each swap mode with overlap_forward=True (its step runs beside the next forward), and "
                         "time every mode's whole training step over back-to-back steps (one sync at the end)")
@@ -213,12 +214,16 @@ def host_overhead_main(args, device: torch.device) -> int:
     print(f"swap_optimizer host overhead on {device}: {args.rounds} rounds of {args.repeats} steps (one warm-up "
           "round first); ratios side by side in this process", flush=True)
     report = host_overhead.run(device, args.rounds, args.repeats, args.paths, args.shape_sets,
-                               progress=lambda line: print(f"  {line}", flush=True))
+                               progress=lambda line: print(f"  {line}", flush=True),
+                               compact_elements=65_536 if args.quick else 4_000_000)
     print("\nstep(): SwapOptimizer (swap_times 16, every param swapped) against the wrapped optimizer alone, ms a "
           "step; the extra time split into per batch (against swap_times 4) and per param (the rest)")
     print(host_overhead.step_table(report["step"]))
     print("\noverlap_forward: the tiny-op model's forward (no grad) against the same forward without the hooks")
     print(host_overhead.forward_table(report["forward"]))
+    print(f"\ncompact states: SwapOptimizer's step with bf16 and 8-bit states against the default states "
+          f"(swap_times {host_overhead.COMPACT_SWAP_TIMES}, one thread), ms a step")
+    print(host_overhead.compact_table(report["compact"]))
     if args.json:
         write_json(args.json, {"environment": environment(device), **report})
         print(f"wrote {args.json}")

@@ -21,6 +21,11 @@ in the same process, round by round, with the min and median over rounds.
   a script loop, and another model's forward while the pass is pending; and
   the own and another model's forward once the pass retires (its first check
   finds the step done).
+- compact states: the step of a SwapOptimizer whose states are bf16 or 8-bit
+  against the same SwapOptimizer with the default states, over 8 params of
+  500k elements at swap_times 8 (one thread: the CPU loops' own speed), for
+  the packed kernel (AdamW) and torch's update with the codec ops (SGD with
+  momentum).
 """
 
 from __future__ import annotations
@@ -83,6 +88,15 @@ OPTIMIZER_PATHS: dict[str, tuple[Callable, dict]] = {
     "Lion (vouched for, learned)": (lambda ps: Lion(ps, lr=1e-4),
                                     dict(trust_per_param_step=True, trust_elementwise_step=True)),
 }
+
+
+# name -> the wrapped optimizer, for the compact states' rows
+COMPACT_PATHS: dict[str, Callable] = {
+    "AdamW (packed kernel)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    "SGD momentum (torch's update, codec ops)": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+}
+COMPACT_STATES = {"bf16": torch.bfloat16, "8-bit": torch.uint8}
+COMPACT_PARAMS, COMPACT_SWAP_TIMES = 8, 8
 
 
 def gpt2_shrunk_shapes() -> list[tuple[int, ...]]:
@@ -150,6 +164,32 @@ def measure_step(path: str, shapes: list[tuple[int, ...]], device: torch.device,
             "ratio": _summary([b / a for a, b in zip(times["plain"], times["swapped"])]),
             "extra_us_per_param": (swapped_us - plain_us - batches * per_batch) / len(shapes),
             "extra_us_per_batch": per_batch}
+
+
+def measure_compact(path: str, device: torch.device, rounds: int, steps: int, numel: int) -> dict:
+    """One optimizer with the default states and with each compact form, on
+    the same params and grads, a round each in turn after a warm-up round."""
+    shapes = [(numel // COMPACT_PARAMS,)] * COMPACT_PARAMS
+    optimizers = {}
+    for name, state_dtype in {"default": None, **COMPACT_STATES}.items():
+        params = _make_params(shapes, device)
+        generator = torch.Generator().manual_seed(1)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator).to(device)
+        settings = {} if state_dtype is None else {"state_dtype": state_dtype}
+        optimizers[name] = SwapOptimizer(COMPACT_PATHS[path](params), swap_times=COMPACT_SWAP_TIMES, min_numel=0,
+                                         **settings)
+    times: dict[str, list[float]] = {name: [] for name in optimizers}
+    for number in range(rounds + 1):
+        measured = {name: _seconds_per_step(optimizer, steps, device) * 1e3 for name, optimizer in optimizers.items()}
+        if number:
+            for name, milliseconds in measured.items():
+                times[name].append(milliseconds)
+    row = {"path": path, "elements": numel, "default_ms": _summary(times["default"])}
+    for name in COMPACT_STATES:
+        row[name] = {"ms": _summary(times[name]),
+                     "ratio": _summary([b / a for a, b in zip(times["default"], times[name])])}
+    return row
 
 
 class TinyOpBlock(nn.Module):
@@ -246,8 +286,8 @@ def measure_forward(device: torch.device, rounds: int, repeats: int) -> list[dic
 
 
 def run(device: torch.device, rounds: int, steps: int, paths: list[str], shape_sets: list[str],
-        progress: Callable[[str], None] = lambda line: None) -> dict:
-    """Every measurement: {"step": rows, "forward": rows}, on one CPU thread
+        progress: Callable[[str], None] = lambda line: None, compact_elements: int = 4_000_000) -> dict:
+    """Every measurement: {"step": rows, "forward": rows, "compact": rows}, on one CPU thread
     (torch's intra-op threads on tiny tensors add their own noise; the host
     backend's copy and update threads still run)."""
     threads = torch.get_num_threads()
@@ -261,10 +301,14 @@ def run(device: torch.device, rounds: int, steps: int, paths: list[str], shape_s
                 step_rows.append(dict(measure_step(path, shapes, device, rounds, steps), shapes=shape_set))
         progress("overlap_forward: the tiny-op model")
         forward_rows = measure_forward(device, rounds, repeats=steps)
+        compact_rows = []
+        for path in COMPACT_PATHS:
+            progress(f"compact states: {path}")
+            compact_rows.append(measure_compact(path, device, rounds, steps, compact_elements))
     finally:
         torch.set_num_threads(threads)
-    return {"step": step_rows, "forward": forward_rows, "rounds": rounds, "steps_per_round": steps,
-            "swap_times": SWAP_TIMES, "torch_threads": 1}
+    return {"step": step_rows, "forward": forward_rows, "compact": compact_rows, "rounds": rounds,
+            "steps_per_round": steps, "swap_times": SWAP_TIMES, "torch_threads": 1}
 
 
 def step_table(rows: list[dict]) -> str:
@@ -284,4 +328,15 @@ def forward_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['situation']} | {r['plain_ms']['median']:.3f} | {r['overlap_ms']['median']:.3f} | "
                      f"{r['ratio']['median']:.2f} / {r['ratio']['min']:.2f} | {r['extra_us_per_module_call']:.1f} |")
+    return "\n".join(lines)
+
+
+def compact_table(rows: list[dict]) -> str:
+    header = "".join(f" {name} ms | {name} ratio (median / min) |" for name in COMPACT_STATES)
+    lines = [f"| optimizer path | elements | default ms |{header}",
+             "| --- | ---: | ---: |" + " ---: | ---: |" * len(COMPACT_STATES)]
+    for r in rows:
+        cells = "".join(f" {r[name]['ms']['median']:.2f} | {r[name]['ratio']['median']:.2f} / "
+                        f"{r[name]['ratio']['min']:.2f} |" for name in COMPACT_STATES)
+        lines.append(f"| {r['path']} | {r['elements']:,} | {r['default_ms']['median']:.2f} |{cells}")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ import torch
 from torch.testing import assert_close
 
 import swap_optimizer as so
+from swap_optimizer import codec
 from conftest import DEVICES, TESTS, requires_cuda
 from packed_reference import AdamFlags, PackedBatches, random_grads, random_params
 
@@ -208,7 +209,7 @@ def digest_of_cpu_loops():
     of the compact ones: each kind of moment (8-bit codes, stochastic bf16,
     bf16 and fp32 rounded to nearest) beside each start (the param, a master
     copy, a Kahan buffer), with grads that hold inf, NaN, signed zeros and
-    magnitudes far apart. A NaN counts as a NaN whatever its payload (at::vec
+    magnitudes far apart; and the codec ops' loops. A NaN counts as a NaN whatever its payload (at::vec
     and scalar code make different ones, as torch's own kernels do). Run by
     the test below, once per capability."""
     import hashlib
@@ -239,6 +240,25 @@ def digest_of_cpu_loops():
             special[512:768] *= 1e-12
             optimizer.step()
         tensors += [p.detach() for p in params] + [v for p in params for v in optimizer.state[p].values()]
+    # The codec ops' loops (the compact states of torch's own updates; their
+    # update itself is torch's, whose bits differ between its ISA kernels):
+    # every 8-bit form, encoded and decoded back, and stochastic bf16.
+    values = random_params([5000, 4097, 300], torch.float32, "cpu", 6)
+    values[0][:7] = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1e-30, 3e30])
+    values[0][512:768] *= 1e-12
+    for code_map, rounding in [("signed", "nearest"), ("unsigned", "nonzero"), ("unsigned", "up"),
+                               ("unsigned", "nearest")]:
+        inputs = values if code_map == "signed" else [v.abs() for v in values]
+        codes = [torch.empty(v.shape, dtype=torch.uint8) for v in inputs]
+        absmax = [torch.empty(-(-v.numel() // 256)) for v in inputs]
+        codec.encode_blockwise_8bit(inputs, codes, absmax, [code_map] * 3, [rounding] * 3)
+        decoded = [torch.empty_like(v) for v in inputs]
+        codec.decode_blockwise_8bit(codes, absmax, decoded, [code_map] * 3)
+        tensors += codes + absmax + decoded
+    rounded = [torch.empty(v.shape, dtype=torch.bfloat16) for v in values]
+    codec.encode_bf16_stochastic(values, rounded, seed=9, param_index=[0, 1, 2], state_index=[0, 1, 2],
+                                 global_offset=[0, 5, 100], step=[1, 2, 3])
+    tensors += rounded
     digest = hashlib.sha256(b"".join(torch.where(t.isnan(), float("nan"), t.float()).numpy().tobytes()
                                      if t.is_floating_point() else t.numpy().tobytes() for t in tensors)).hexdigest()
     print(torch.backends.cpu.get_cpu_capability(), digest)

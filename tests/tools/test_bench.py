@@ -271,7 +271,8 @@ def test_resident_share_sweep_moves_less_as_the_share_rises(tmp_path, monkeypatc
 def test_host_overhead_reports_each_path_and_situation(tmp_path, capsys):
     """--host-overhead: a row per (shape set, optimizer path) and per forward
     situation, with plain and SwapOptimizer times side by side, their ratio and
-    the extra time split per batch and per param; the tables and the JSON."""
+    the extra time split per batch and per param; a row per compact-state path
+    with each form's ratio to the default states; the tables and the JSON."""
     report = tmp_path / "host.json"
     paths = ["SGD momentum foreach", "Lion (vouched for, learned)"]
     assert main(["--host-overhead", "--device", "cpu", "--quick", "--rounds", "2", "--repeats", "2",
@@ -284,6 +285,11 @@ def test_host_overhead_reports_each_path_and_situation(tmp_path, capsys):
         assert row["ratio"]["median"] > 0 and set(row) >= {"extra_us_per_param", "extra_us_per_batch"}
     assert [row["situation"] for row in data["forward"]] == list(host_overhead.SITUATIONS)
     assert all(row["plain_ms"]["median"] > 0 and row["ratio"]["median"] > 0 for row in data["forward"])
+    assert [row["path"] for row in data["compact"]] == list(host_overhead.COMPACT_PATHS)
+    for row in data["compact"]:
+        assert row["elements"] == 65_536 and row["default_ms"]["min"] <= row["default_ms"]["median"]
+        assert all(row[name]["ratio"]["median"] > 0 for name in host_overhead.COMPACT_STATES)
     assert data["rounds"] == 2 and data["environment"]["device"] == "cpu"
     out = capsys.readouterr().out
     assert "| 1000 x 64 | SGD momentum foreach | 16 |" in out and "| pending, another model |" in out
+    assert "| AdamW (packed kernel) | 65,536 |" in out

@@ -1,5 +1,5 @@
 // The CPU element loops built for AVX2 + FMA, chosen at run time only on CPUs
-// that have it (see for_this_cpu in fused_adam_cpu.cpp). Every header that
+// that have it (see for_this_cpu in cpu_update.h). Every header that
 // is not at::vec is included before the target switch, so only this file's own
 // functions and at::vec's AVX2 namespace are compiled for AVX2 + FMA.
 #include "compact_update_cpu.h"
@@ -34,5 +34,6 @@
 
 SWAP_OPTIMIZER_DEFINE_CPU_ENTRY(update_params_avx2)
 SWAP_OPTIMIZER_DEFINE_COMPACT_ENTRY(update_compact_rows_avx2)
+SWAP_OPTIMIZER_DEFINE_CODEC_LOOPS(codec_loops_avx2)
 #pragma GCC pop_options
 #endif

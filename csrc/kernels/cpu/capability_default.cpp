@@ -6,3 +6,4 @@
 
 SWAP_OPTIMIZER_DEFINE_CPU_ENTRY(update_params_default)
 SWAP_OPTIMIZER_DEFINE_COMPACT_ENTRY(update_compact_rows_default)
+SWAP_OPTIMIZER_DEFINE_CODEC_LOOPS(codec_loops_default)

@@ -288,6 +288,16 @@ void encode_block(const CodeMap& map, const uint8_t* bucket_starts, const float*
   }
 }
 
+void encode_block_as(int rounding, const CodeMap& map, const uint8_t* bucket_starts, const float* values,
+                     int64_t count, float absmax, uint8_t* codes) {
+  switch (rounding) {
+    case kRoundNearest: return encode_block<kRoundNearest>(map, bucket_starts, values, count, absmax, codes);
+    case kRoundNearestNonzero:
+      return encode_block<kRoundNearestNonzero>(map, bucket_starts, values, count, absmax, codes);
+    default: return encode_block<kRoundUp>(map, bucket_starts, values, count, absmax, codes);
+  }
+}
+
 template <typename param_t>
 __attribute__((flatten)) void update_codes(const CompactRow& shared_row, int64_t begin, int64_t end,
                                            const AdamHyper& shared_hyper, const StepScalars& shared_scalars,
@@ -309,17 +319,55 @@ __attribute__((flatten)) void update_codes(const CompactRow& shared_row, int64_t
     update_block<param_t>(r, block, count, hyper, s, grad_scale, moments, value, absmax);
     for (int k = 0; k < moments; ++k) {
       r.absmax[k][block / kQuantBlock] = absmax[k];
-      uint8_t* codes = static_cast<uint8_t*>(r.moment[k]) + block;
-      const uint8_t* starts = bucket_starts_for(search, moment_map_kind(k), moment_rounding(k));
-      switch (moment_rounding(k)) {
-        case kRoundNearest: encode_block<kRoundNearest>(moment_map(maps, k), starts, value[k], count, absmax[k], codes); break;
-        case kRoundNearestNonzero:
-          encode_block<kRoundNearestNonzero>(moment_map(maps, k), starts, value[k], count, absmax[k], codes);
-          break;
-        default: encode_block<kRoundUp>(moment_map(maps, k), starts, value[k], count, absmax[k], codes); break;
-      }
+      encode_block_as(moment_rounding(k), moment_map(maps, k),
+                      bucket_starts_for(search, moment_map_kind(k), moment_rounding(k)), value[k], count, absmax[k],
+                      static_cast<uint8_t*>(r.moment[k]) + block);
     }
   }
+}
+
+// The codec ops' loops (CodecLoops in compact_update_cpu.h).
+__attribute__((flatten)) void codec_decode_floats(const CodecEntry& e, int64_t begin, int64_t end) {
+  const CodeMap& map = e.map_kind == kSignedMap ? code_maps().signed_map : code_maps().unsigned_map;
+  for (int64_t block = begin; block < end; block += kQuantBlock) {
+    decode_block(map, static_cast<const uint8_t*>(e.in) + block, std::min(kQuantBlock, end - block),
+                 e.absmax[block / kQuantBlock], static_cast<float*>(e.out) + block);
+  }
+}
+
+// magnitude_for_absmax's largest over `count` values.
+float block_absmax(const float* values, int64_t count) {
+  float absmax = 0.f;
+  int64_t j = 0;
+#if !defined(CPU_CAPABILITY_DEFAULT)
+  FloatVec lanes_absmax(0.f);
+  for (; j + kLanes <= count; j += kLanes) {
+    lanes_absmax = at::vec::maximum(lanes_absmax, magnitude_lanes(FloatVec::loadu(values + j)));
+  }
+  float lanes[kLanes];
+  lanes_absmax.store(lanes);
+  absmax = *std::max_element(lanes, lanes + kLanes);  // no NaN: the order does not matter
+#endif
+  for (; j < count; ++j) absmax = std::max(absmax, magnitude_for_absmax(values[j]));
+  return absmax;
+}
+
+__attribute__((flatten)) void codec_encode_floats(const CodecEntry& e, int64_t begin, int64_t end) {
+  const CodeMap& map = e.map_kind == kSignedMap ? code_maps().signed_map : code_maps().unsigned_map;
+  const uint8_t* bucket_starts = bucket_starts_for(code_search(), e.map_kind, e.rounding);
+  for (int64_t block = begin; block < end; block += kQuantBlock) {
+    const int64_t count = std::min(kQuantBlock, end - block);
+    const float* values = static_cast<const float*>(e.in) + block;
+    const float absmax = block_absmax(values, count);
+    e.absmax[block / kQuantBlock] = absmax;
+    encode_block_as(e.rounding, map, bucket_starts, values, count, absmax, static_cast<uint8_t*>(e.out) + block);
+  }
+}
+
+// codec_encode_bf16_element's loop, which the compiler vectorises for the target.
+void codec_encode_bf16_floats(const CodecEntry& e, int64_t begin, int64_t end) {
+  const CodecEntry entry = e;
+  for (int64_t i = begin; i < end; ++i) codec_encode_bf16_element(entry, i);
 }
 
 using ChunkFn = void (*)(const CompactRow&, int64_t, int64_t, const AdamHyper&, const StepScalars&,
@@ -377,4 +425,11 @@ inline void update_compact_rows(const std::vector<CompactWork>& work, const std:
              const AdamHyper& hyper, const float* grad_scale) {                                          \
     CPU_CAPABILITY::update_compact_rows(work, scalars, hyper, grad_scale);                               \
   }                                                                                                      \
+  }
+#define SWAP_OPTIMIZER_DEFINE_CODEC_LOOPS(entry)                                                      \
+  namespace swap_optimizer {                                                                          \
+  CodecLoops entry() {                                                                                \
+    return {&CPU_CAPABILITY::codec_decode_floats, &CPU_CAPABILITY::codec_encode_floats,                \
+            &CPU_CAPABILITY::codec_encode_bf16_floats};                                               \
+  }                                                                                                   \
   }

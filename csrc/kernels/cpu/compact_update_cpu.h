@@ -1,8 +1,9 @@
-// Interface between the CPU op (fused_adam_cpu.cpp) and the loops for rows
-// with compact states (compact_lanes.h, built per instruction set by
+// Interface between the CPU ops (fused_adam_cpu.cpp, state_codec_cpu.cpp) and
+// the loops for compact states (compact_lanes.h, built per instruction set by
 // capability_*.cpp).
 #pragma once
 
+#include "../codec_batch.h"
 #include "../compact_update.h"
 #include "cpu_update.h"
 
@@ -28,6 +29,20 @@ void update_compact_rows_avx2(const std::vector<CompactWork>&, const std::vector
                               const AdamHyper&, const float*);
 void update_compact_rows_avx512(const std::vector<CompactWork>&, const std::vector<StepScalars>&,
                                 const AdamHyper&, const float*);
+#endif
+
+// The codec ops' loops over elements [begin, end) of an entry whose values
+// are fp32 (begin: a multiple of kQuantBlock); other value dtypes take the
+// per-element code in state_codec_cpu.cpp.
+struct CodecLoops {
+  void (*decode_8bit)(const CodecEntry& e, int64_t begin, int64_t end);
+  void (*encode_8bit)(const CodecEntry& e, int64_t begin, int64_t end);
+  void (*encode_bf16)(const CodecEntry& e, int64_t begin, int64_t end);
+};
+CodecLoops codec_loops_default();
+#ifdef SWAP_OPTIMIZER_CPU_ISA_VARIANTS
+CodecLoops codec_loops_avx2();
+CodecLoops codec_loops_avx512();
 #endif
 
 }  // namespace swap_optimizer

@@ -5,7 +5,10 @@
 #include "../adam_math.h"
 #include "../packed_layout.h"
 
+#include <ATen/Version.h>
+
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace swap_optimizer {
@@ -30,6 +33,22 @@ using CpuUpdateFn = void (*)(DtypePair pair, const std::vector<CpuParamWork>& wo
 // per file (capability_avx2.cpp, capability_avx512.cpp).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define SWAP_OPTIMIZER_CPU_ISA_VARIANTS 1
+#endif
+
+// The build of a loop for the instruction set torch itself picked for this
+// CPU; honours the ATEN_CPU_CAPABILITY environment variable as torch's own
+// kernels do. (Without ISA variants only the default build exists.)
+#ifdef SWAP_OPTIMIZER_CPU_ISA_VARIANTS
+template <typename Fn>
+Fn for_this_cpu(Fn default_build, Fn avx2_build, Fn avx512_build) {
+  const std::string capability = at::get_cpu_capability();
+  if (capability == "AVX512") return avx512_build;
+  if (capability == "AVX2") return avx2_build;
+  return default_build;
+}
+#define SWAP_OPTIMIZER_FOR_THIS_CPU(name) for_this_cpu(&name##_default, &name##_avx2, &name##_avx512)
+#else
+#define SWAP_OPTIMIZER_FOR_THIS_CPU(name) (&name##_default)
 #endif
 
 void update_params_default(DtypePair, const std::vector<CpuParamWork>&, const AdamHyper&, const float*);

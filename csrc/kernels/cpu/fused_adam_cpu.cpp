@@ -6,7 +6,6 @@
 #include "compact_update_cpu.h"
 #include "cpu_update.h"
 
-#include <ATen/Version.h>
 #include <torch/library.h>
 
 #include <array>
@@ -14,21 +13,6 @@
 namespace swap_optimizer {
 namespace {
 
-// The build of a loop for the instruction set torch itself picked for this
-// CPU; honours the ATEN_CPU_CAPABILITY environment variable as torch's own
-// kernels do. (Without ISA variants only the default build exists.)
-#ifdef SWAP_OPTIMIZER_CPU_ISA_VARIANTS
-template <typename Fn>
-Fn for_this_cpu(Fn default_build, Fn avx2_build, Fn avx512_build) {
-  const std::string capability = at::get_cpu_capability();
-  if (capability == "AVX512") return avx512_build;
-  if (capability == "AVX2") return avx2_build;
-  return default_build;
-}
-#define SWAP_OPTIMIZER_FOR_THIS_CPU(name) for_this_cpu(&name##_default, &name##_avx2, &name##_avx512)
-#else
-#define SWAP_OPTIMIZER_FOR_THIS_CPU(name) (&name##_default)
-#endif
 
 void fused_adam_packed_cpu(at::TensorList params, at::TensorList grads, const at::Tensor& arena,
                            const at::Tensor& layout, const at::Tensor& steps, double lr,

@@ -1,10 +1,13 @@
 // CPU implementations of the codec ops (codec_batch.h): the call's chunks in
-// parallel, each a scalar loop over the per-element math shared with CUDA.
-// 8-bit encoding goes a quantization block at a time: the block's absmax
-// (NaN as 0, so the order of the max does not matter), then its codes, found
-// with the host's bucket tables (state_codec.h: the same codes as the search).
+// parallel; fp32 values take the loops of the best instruction set this CPU
+// offers (CodecLoops, compact_lanes.h), other dtypes a loop over the
+// per-element math shared with CUDA. 8-bit encoding goes a quantization block
+// at a time: the block's absmax (NaN as 0, so the order of the max does not
+// matter), then its codes, found with the host's bucket tables (state_codec.h:
+// the same codes as the search).
 #include "../codec_batch.h"
 #include "../op_registry.h"
+#include "compact_update_cpu.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,6 +16,11 @@
 
 namespace swap_optimizer {
 namespace {
+
+const CodecLoops& codec_loops() {
+  static const CodecLoops loops = SWAP_OPTIMIZER_FOR_THIS_CPU(codec_loops)();
+  return loops;
+}
 
 const CodeMap& map_of(const CodeMaps& maps, int map_kind) {
   return map_kind == kSignedMap ? maps.signed_map : maps.unsigned_map;
@@ -48,6 +56,7 @@ void decode_blockwise_8bit_cpu(at::TensorList codes, at::TensorList absmax, at::
   const CodecBatch batch = plan_decode_8bit(op, codes, absmax, out, code_map);
   const CodeMaps& maps = code_maps();
   for_each_chunk(batch, op, [&](const CodecEntry& e, int64_t begin, int64_t end) {
+    if (e.value_dtype == kCodecFloat) return codec_loops().decode_8bit(e, begin, end);
     const CodeMap& map = map_of(maps, e.map_kind);
     with_value_type(e, [&](auto tag) {
       using value_t = decltype(tag);
@@ -63,6 +72,7 @@ void encode_blockwise_8bit_cpu(at::TensorList values, at::TensorList codes, at::
   const CodeMaps& maps = code_maps();
   const CodeSearch& search = code_search();
   for_each_chunk(batch, op, [&](const CodecEntry& e, int64_t begin, int64_t end) {
+    if (e.value_dtype == kCodecFloat) return codec_loops().encode_8bit(e, begin, end);
     const CodeMap& map = map_of(maps, e.map_kind);
     const uint8_t* buckets = bucket_starts_for(search, e.map_kind, e.rounding);
     with_value_type(e, [&](auto tag) {
@@ -88,7 +98,7 @@ void encode_bf16_stochastic_cpu(at::TensorList values, at::TensorList out, int64
   constexpr const char* op = "encode_bf16_stochastic (CPU)";
   const CodecBatch batch = plan_encode_bf16(op, values, out, seed, param_index, state_index, global_offset, step);
   for_each_chunk(batch, op, [&](const CodecEntry& e, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) codec_encode_bf16_element(e, i);
+    codec_loops().encode_bf16(e, begin, end);
   });
 }
 
