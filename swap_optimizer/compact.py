@@ -74,7 +74,7 @@ def quantize(values: torch.Tensor, moment: str) -> tuple[torch.Tensor, torch.Ten
         codes = torch.bucketize(normalized, midpoints)
     codes = torch.where(normalized.isnan(), 0, codes)  # as the kernels: a NaN compares below nothing
     if moment == "exp_avg_sq":
-        # After the NaN rule, as encode_second_moment: +inf (normalized inf / inf: NaN) codes 1, which
+        # After the NaN rule, as the kernels' nonzero rounding (code_of_normalized): +inf (normalized inf / inf: NaN) codes 1, which
         # decodes to inf again, not to 0 * inf (NaN).
         codes = torch.where((codes == 0) & (padded > 0), 1, codes)
     return codes.to(torch.uint8).reshape(-1)[:count].reshape(values.shape), absmax

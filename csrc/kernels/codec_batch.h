@@ -84,9 +84,9 @@ SWAP_HOST_DEVICE inline void codec_decode_element(const CodecEntry& e, const Cod
   static_cast<value_t*>(e.out)[i] = static_cast<value_t>(value);
 }
 
-SWAP_HOST_DEVICE inline void codec_encode_code(const CodecEntry& e, const CodeMap& map, const uint8_t* bucket_starts,
+SWAP_HOST_DEVICE inline void codec_encode_code(const CodecEntry& e, const CodeMap& map, const uint32_t* buckets,
                                                int64_t i, float value, float absmax) {
-  static_cast<uint8_t*>(e.out)[i] = encode_code(map, bucket_starts, e.rounding, value, absmax);
+  static_cast<uint8_t*>(e.out)[i] = encode_code(map, buckets, e.rounding, value, absmax);
 }
 
 SWAP_HOST_DEVICE inline void codec_encode_bf16_element(const CodecEntry& e, int64_t i) {

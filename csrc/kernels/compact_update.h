@@ -90,7 +90,7 @@ SWAP_HOST_DEVICE inline void store_moment(const CompactRow& r, int k, int64_t i,
 // max_exp_avg_sq rounded up, so it never falls below a value it held.
 SWAP_HOST_DEVICE inline int moment_map_kind(int k) { return k == kMomentExpAvg ? kSignedMap : kUnsignedMap; }
 SWAP_HOST_DEVICE inline const CodeMap& moment_map(const CodeMaps& maps, int k) {
-  return moment_map_kind(k) == kSignedMap ? maps.signed_map : maps.unsigned_map;
+  return code_map_of(maps, moment_map_kind(k));
 }
 SWAP_HOST_DEVICE inline int moment_rounding(int k) {
   return k == kMomentExpAvg ? kRoundNearest : k == kMomentExpAvgSq ? kRoundNearestNonzero : kRoundUp;
@@ -101,14 +101,12 @@ SWAP_HOST_DEVICE inline float load_code(const CompactRow& r, const CodeMaps& map
   return decode(moment_map(maps, k), static_cast<const uint8_t*>(r.moment[k])[i], r.absmax[k][i / kQuantBlock]);
 }
 
-// Stores an 8-bit moment given its block's new absmax.
-// `search` (host only, may be null) speeds up finding the code, not its value.
-SWAP_HOST_DEVICE inline void store_code(const CompactRow& r, const CodeMaps& maps, const CodeSearch* search, int k,
-                                        int64_t i, float value, float absmax) {
-  const int rounding = moment_rounding(k);
+// Stores an 8-bit moment given its block's new absmax, with the binary
+// search (the CUDA kernel's; the CPU loops encode a block at a time).
+SWAP_HOST_DEVICE inline void store_code(const CompactRow& r, const CodeMaps& maps, int k, int64_t i, float value,
+                                        float absmax) {
   static_cast<uint8_t*>(r.moment[k])[i] =
-      encode_code(moment_map(maps, k), search ? bucket_starts_for(*search, moment_map_kind(k), rounding) : nullptr,
-                  rounding, value, absmax);
+      encode_code(moment_map(maps, k), nullptr, moment_rounding(k), value, absmax);
 }
 
 // One element's update given its moments, already loaded: reads the start and
@@ -135,9 +133,10 @@ SWAP_HOST_DEVICE inline void update_value_element(const CompactRow& r, int64_t i
   if (hyper.amsgrad) store_moment<state_t>(r, kMomentMaxExpAvgSq, i, v_max, s.step);
 }
 
-// One element of an 8-bit row, up to the moments' encoding: the param is
-// written, the updated moments (exp_avg, exp_avg_sq, max) land in `moments`
-// for the block's absmax and store_code.
+// One element of an 8-bit row, up to the moments' encoding (the CUDA
+// kernel's; the CPU loops decode a block at a time): the param is written,
+// the updated moments (exp_avg, exp_avg_sq, max) land in `moments` for the
+// block's absmax and store_code.
 template <typename param_t>
 SWAP_HOST_DEVICE inline void update_code_element(const CompactRow& r, const CodeMaps& maps, int64_t i,
                                                  const AdamHyper& hyper, const StepScalars& s,

@@ -37,27 +37,28 @@ CodeMap make_dynamic_map(bool is_signed) {
 
 // Bucket b holds the floats whose top bits are b; its lowest value is its
 // smallest bit pattern when positive, its largest when negative. Buckets of
-// infinities and NaNs (which compare below nothing) start at 0: count_below
-// takes +inf, the one value there that is not, out of the steps. Throws if a
-// bucket needs more than kBucketSteps steps to reach the count of its highest
-// value (up to sorted[254], above which count_below needs none).
-void fill_bucket_starts(const float* sorted, uint8_t* starts) {
+// infinities and NaNs (which compare below nothing) count 0 and never step:
+// count_below takes +inf, the one value there that is not, out. Throws if a
+// bucket holds two sorted entries at or below sorted[254] (above it
+// count_below needs no entry).
+void fill_buckets(const float* sorted, uint32_t* buckets) {
   constexpr int kLowBits = 32 - kBucketBits;
-  constexpr uint32_t kLowMask = (1u << kLowBits) - 1;
   for (uint32_t bucket = 0; bucket < (1u << kBucketBits); ++bucket) {
     const uint32_t top = bucket << kLowBits;
     if ((top & 0x7f800000u) == 0x7f800000u) {
-      starts[bucket] = 0;
+      buckets[bucket] = kNoStep << 8;
       continue;
     }
     const bool negative = (bucket >> (kBucketBits - 1)) != 0;
-    const int start = count_below(sorted, nullptr, float_from_bits(negative ? top | kLowMask : top));
-    const float highest = std::min(float_from_bits(negative ? top : top | kLowMask), sorted[kCodes - 2]);
-    if (count_below(sorted, nullptr, highest) - start > kBucketSteps) {
-      throw std::logic_error("state_codec: a code search bucket needs more than kBucketSteps steps; raise "
-                             "kBucketBits or kBucketSteps");
+    const int start = count_below(sorted, nullptr, float_from_bits(negative ? top | kBucketKeyMask : top));
+    const float highest = std::min(float_from_bits(negative ? top : top | kBucketKeyMask), sorted[kCodes - 2]);
+    if (count_below(sorted, nullptr, highest) - start > 1) {
+      throw std::logic_error("state_codec: a code search bucket holds two code boundaries; raise kBucketBits");
     }
-    starts[bucket] = static_cast<uint8_t>(start);
+    // The next entry's key if it lies in this bucket (sorted[255] is read, never counted).
+    const uint32_t next = float_bits(sorted[start]);
+    const uint32_t key = (next >> kLowBits) == bucket ? bucket_key(next) : kNoStep;
+    buckets[bucket] = static_cast<uint32_t>(start) | key << 8;
   }
 }
 
@@ -67,9 +68,9 @@ const CodeSearch& code_search() {
   static const CodeSearch search = [] {
     CodeSearch s{};
     const CodeMaps& maps = code_maps();
-    fill_bucket_starts(maps.signed_map.midpoints, s.signed_midpoints);
-    fill_bucket_starts(maps.unsigned_map.midpoints, s.unsigned_midpoints);
-    fill_bucket_starts(maps.unsigned_map.values, s.unsigned_values);
+    fill_buckets(maps.signed_map.midpoints, s.signed_midpoints);
+    fill_buckets(maps.unsigned_map.midpoints, s.unsigned_midpoints);
+    fill_buckets(maps.unsigned_map.values, s.unsigned_values);
     return s;
   }();
   return search;

@@ -37,21 +37,21 @@ struct CodeMaps {
 // Built once on the host (state_codec.cpp); the CUDA kernel gets a device copy.
 const CodeMaps& code_maps();
 
-// Host-only shortcut for count_below: for each bucket of floats that share
-// their top kBucketBits bits (sign, exponent, 7 mantissa bits), how many of a
-// sorted array's first 255 entries lie below the bucket's lowest value. From
-// there kBucketSteps compare-and-steps (no branch: the CPU loops run them on
-// every element) reach the same count as the binary search, without its chain
-// of dependent loads; code_search() checks that no bucket needs more.
+// Host-only shortcut for count_below: floats that share their top
+// kBucketBits bits (sign, exponent, 7 mantissa bits) form a bucket, and a
+// bucket holds at most one entry of a sorted array's first 255 (code_search()
+// checks, and throws otherwise). So one table entry per bucket gives a value's
+// count: the count below the bucket's lowest value (bits 0-7), plus one if the
+// value's bucket_key exceeds the key of that next sorted entry (bits 8-24;
+// kNoStep where that entry lies above the bucket). One load, one compare: the
+// CPU's vector loops gather it.
 constexpr int kBucketBits = 16;
-constexpr int kBucketSteps = 1;
+constexpr uint32_t kBucketKeyMask = (1u << (32 - kBucketBits)) - 1;
+constexpr uint32_t kNoStep = kBucketKeyMask + 1;  // above every bucket_key
 struct CodeSearch {
-  uint8_t signed_midpoints[1 << kBucketBits];
-  uint8_t unsigned_midpoints[1 << kBucketBits];
-  uint8_t unsigned_values[1 << kBucketBits];
-  // The CPU vector loops gather each start as the 4 bytes from it: the last
-  // table's last 3 starts read into these.
-  uint8_t gather_padding[3];
+  uint32_t signed_midpoints[1 << kBucketBits];
+  uint32_t unsigned_midpoints[1 << kBucketBits];
+  uint32_t unsigned_values[1 << kBucketBits];
 };
 const CodeSearch& code_search();
 
@@ -117,16 +117,22 @@ SWAP_HOST_DEVICE inline float magnitude_for_absmax(float x) {
   return x == x ? fabsf(x) : 0.f;
 }
 
-// How many of sorted[0..254] are below x (sorted holds kCodes entries; the
-// last is read, never counted): a binary search of fixed depth, or, given the
-// bucket starts of `sorted` (CodeSearch, host only), kBucketSteps steps
-// forward from x's bucket. Above sorted[254] (+inf, which shares its bucket
-// with NaNs) the count is 255 either way. No branch depends on x: the CPU
-// loops run this on every element.
-SWAP_HOST_DEVICE inline int count_below(const float* sorted, const uint8_t* bucket_starts, float x) {
-  if (bucket_starts != nullptr) {
-    int index = bucket_starts[float_bits(x) >> (32 - kBucketBits)];
-    for (int step = 0; step < kBucketSteps; ++step) index += static_cast<int>(sorted[index] < x);
+// A float's rank among the floats of its bucket: its low bits, reversed for
+// negative floats, whose bits grow as they fall.
+SWAP_HOST_DEVICE inline uint32_t bucket_key(uint32_t bits) {
+  return (bits & kBucketKeyMask) ^ ((bits >> 31) != 0 ? kBucketKeyMask : 0u);
+}
+
+// How many of sorted[0..254] are below x: a binary search of fixed depth, or,
+// given the table of `sorted` (CodeSearch, host only), one entry and a
+// compare. Above sorted[254] (+inf, which shares its bucket with NaNs) the
+// count is 255 either way. No branch depends on x: the CPU loops run this on
+// every element.
+SWAP_HOST_DEVICE inline int count_below(const float* sorted, const uint32_t* buckets, float x) {
+  if (buckets != nullptr) {
+    const uint32_t bits = float_bits(x);
+    const uint32_t entry = buckets[bits >> (32 - kBucketBits)];
+    const int index = static_cast<int>((entry & 0xffu) + (bucket_key(bits) > (entry >> 8) ? 1u : 0u));
     return x > sorted[kCodes - 2] ? kCodes - 1 : index;
   }
   int index = 0;
@@ -147,29 +153,34 @@ enum CodeRounding : int { kRoundNearest = 0, kRoundNearestNonzero = 1, kRoundUp 
 enum CodeMapKind : int { kSignedMap = 0, kUnsignedMap = 1 };
 
 // The code of x under `rounding`, given normalized_for_code(x, absmax);
-// bucket_starts (host only, may be null) as count_below's: midpoints for
+// buckets (host only, may be null) as count_below's: midpoints for
 // nearest, values for up.
 //  - nearest: the nearest code to the normalized value (ties to the lower);
 //  - nearest nonzero: the same, but never 0 for a positive x. A second moment
 //    rounded to 0 beside a first moment that is not (a rarely used embedding
 //    row in a block with busy ones) would step by lr * m / eps;
 //  - up: the smallest code that decodes to at least x (x >= 0, absmax >= x).
-SWAP_HOST_DEVICE inline uint8_t code_of_normalized(const CodeMap& map, const uint8_t* bucket_starts, int rounding,
+SWAP_HOST_DEVICE inline uint8_t code_of_normalized(const CodeMap& map, const uint32_t* buckets, int rounding,
                                                    float x, float normalized, float absmax) {
   if (rounding == kRoundUp) {
-    const int code = count_below(map.values, bucket_starts, normalized);  // the first value >= normalized
+    const int code = count_below(map.values, buckets, normalized);  // the first value >= normalized
     // +1 where the division rounded down.
     return static_cast<uint8_t>(code + static_cast<int>((code < kCodes - 1) & (map.values[code] * absmax < x)));
   }
-  const int code = count_below(map.midpoints, bucket_starts, normalized);
+  const int code = count_below(map.midpoints, buckets, normalized);
   if (rounding == kRoundNearestNonzero) return static_cast<uint8_t>(code | static_cast<int>((code == 0) & (x > 0.f)));
   return static_cast<uint8_t>(code);
 }
 
 // The code of x in a block of absmax `absmax` under `rounding`.
-SWAP_HOST_DEVICE inline uint8_t encode_code(const CodeMap& map, const uint8_t* bucket_starts, int rounding, float x,
+SWAP_HOST_DEVICE inline uint8_t encode_code(const CodeMap& map, const uint32_t* buckets, int rounding, float x,
                                             float absmax) {
-  return code_of_normalized(map, bucket_starts, rounding, x, normalized_for_code(x, absmax), absmax);
+  return code_of_normalized(map, buckets, rounding, x, normalized_for_code(x, absmax), absmax);
+}
+
+// The map a code array of kind `map_kind` (CodeMapKind) uses.
+SWAP_HOST_DEVICE inline const CodeMap& code_map_of(const CodeMaps& maps, int map_kind) {
+  return map_kind == kSignedMap ? maps.signed_map : maps.unsigned_map;
 }
 
 SWAP_HOST_DEVICE inline float decode(const CodeMap& map, uint8_t code, float absmax) {
@@ -178,7 +189,7 @@ SWAP_HOST_DEVICE inline float decode(const CodeMap& map, uint8_t code, float abs
 
 // The CodeSearch table count_below wants for (map, rounding); signed
 // round-up has none (and is not a rule any state uses).
-SWAP_HOST_DEVICE inline const uint8_t* bucket_starts_for(const CodeSearch& search, int map_kind, int rounding) {
+SWAP_HOST_DEVICE inline const uint32_t* code_buckets_for(const CodeSearch& search, int map_kind, int rounding) {
   if (map_kind == kSignedMap) return search.signed_midpoints;
   return rounding == kRoundUp ? search.unsigned_values : search.unsigned_midpoints;
 }

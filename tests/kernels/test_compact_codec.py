@@ -313,11 +313,19 @@ def test_cuda_bits_equal_cpu_bits(form):
         assert torch.equal(bits(a), bits(b)), "bf16 stochastic rounding"
 
 
-@pytest.mark.slow  # 2^32 floats x 3 tables: about 2 minutes
-def test_host_code_search_matches_binary_search_for_every_float(tmp_path):
-    """The CPU loops find codes with bucket tables and a fixed number of
-    steps (state_codec.h, count_below), the CUDA kernels with a binary
-    search: a C++ program compares both for every float bit pattern."""
+# capability -> the compiler flags its build of tests/cpp/code_search_exhaustive.cpp needs
+SEARCH_BUILDS = {"DEFAULT": [], "AVX2": ["-mavx2", "-mfma"],
+                 "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]}
+
+
+@pytest.mark.slow  # 2^32 floats x 3 tables: about 2 minutes for DEFAULT, 30 s for each ISA's lanes
+@pytest.mark.parametrize("capability", list(SEARCH_BUILDS))
+def test_host_code_search_for_every_float(tmp_path, capability):
+    """The CPU loops find codes with bucket tables (state_codec.h,
+    count_below; its AVX2 and AVX-512 lanes in cpu/code_lanes.h), the CUDA
+    kernels with a binary search: a C++ program compares the table's search
+    with the binary search (DEFAULT) and each ISA's lanes with the table's
+    search, for every float bit pattern."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -326,8 +334,13 @@ def test_host_code_search_matches_binary_search_for_every_float(tmp_path):
         pytest.skip("no g++ on this machine")
     root = Path(__file__).resolve().parents[2]
     binary = tmp_path / "code_search_exhaustive"
-    subprocess.run([compiler, "-std=c++17", "-O2", f"-I{root / 'csrc'}", str(root / "csrc/kernels/state_codec.cpp"),
-                    str(root / "tests/cpp/code_search_exhaustive.cpp"), "-o", str(binary)], check=True)
+    subprocess.run([compiler, "-std=c++17", "-O2", f"-I{root / 'csrc'}", *SEARCH_BUILDS[capability],
+                    f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}",
+                    str(root / "csrc/kernels/state_codec.cpp"), str(root / "tests/cpp/code_search_exhaustive.cpp"),
+                    "-o", str(binary)], check=True)
     out = subprocess.run([str(binary)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("all 2^32 floats agree") == 3, out.stdout
+    if "lacks the instructions" in out.stdout:
+        pytest.skip(f"this CPU has no {capability}")
+    agree = "all 2^32 floats agree" if capability == "DEFAULT" else "lanes agree for all 2^32 floats"
+    assert out.stdout.count(agree) == 3, out.stdout

@@ -10,6 +10,7 @@
 //
 // An 8-bit row goes a block at a time: the block's moments are decoded into
 // fp32, updated, and re-encoded against the block's new absmax.
+#include "code_lanes.h"
 #include "compact_update_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -93,108 +94,6 @@ void store_moment_lanes(const CompactRow& r, int k, int64_t i, const FloatVec (&
 FloatVec magnitude_lanes(const FloatVec& x) { return FloatVec::blendv(x.abs(), FloatVec(0.f), x != x); }
 #endif
 
-// 8-bit codes on lanes, with the gathers AVX2 and AVX-512 have: the twins of
-// decode and code_of_normalized (state_codec.h), one vector of kLanes
-// elements at a time. Predicates are lanes of 0 or 1.
-#if defined(CPU_CAPABILITY_AVX512)
-using IntLanes = __m512i;
-using FloatLanes = __m512;
-IntLanes int_lanes(int value) { return _mm512_set1_epi32(value); }
-IntLanes add(IntLanes a, IntLanes b) { return _mm512_add_epi32(a, b); }
-IntLanes bit_and(IntLanes a, IntLanes b) { return _mm512_and_si512(a, b); }
-IntLanes bit_or(IntLanes a, IntLanes b) { return _mm512_or_si512(a, b); }
-IntLanes mask_to_predicate(__mmask16 mask) { return _mm512_maskz_mov_epi32(mask, int_lanes(1)); }
-IntLanes less(FloatLanes a, FloatLanes b) { return mask_to_predicate(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ)); }
-IntLanes is_zero(IntLanes a) { return mask_to_predicate(_mm512_cmpeq_epi32_mask(a, int_lanes(0))); }
-IntLanes is_below(IntLanes a, int bound) { return mask_to_predicate(_mm512_cmplt_epi32_mask(a, int_lanes(bound))); }
-IntLanes select(IntLanes predicate, IntLanes if_one, IntLanes if_zero) {
-  return _mm512_mask_mov_epi32(if_zero, _mm512_test_epi32_mask(predicate, predicate), if_one);
-}
-IntLanes bucket_of(FloatLanes x) { return _mm512_srli_epi32(_mm512_castps_si512(x), 32 - kBucketBits); }
-// The masked gathers (all lanes on) name their fallback lanes, which GCC
-// otherwise warns are uninitialised.
-FloatLanes gather_floats(const float* base, IntLanes index) {
-  return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xffff, index, base, 4);
-}
-IntLanes gather_bytes(const uint8_t* base, IntLanes index) {
-  return bit_and(_mm512_mask_i32gather_epi32(int_lanes(0), 0xffff, index, base, 1), int_lanes(0xff));
-}
-IntLanes load_codes(const uint8_t* codes) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-}
-void store_codes(uint8_t* codes, IntLanes lanes) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(lanes));
-}
-FloatLanes load_floats(const float* values) { return _mm512_loadu_ps(values); }
-void store_floats(float* values, FloatLanes lanes) { _mm512_storeu_ps(values, lanes); }
-FloatLanes float_lanes(float value) { return _mm512_set1_ps(value); }
-FloatLanes multiply(FloatLanes a, FloatLanes b) { return _mm512_mul_ps(a, b); }
-FloatLanes divide(FloatLanes a, FloatLanes b) { return _mm512_div_ps(a, b); }
-#define SWAP_OPTIMIZER_CODE_LANES
-#elif defined(CPU_CAPABILITY_AVX2)
-using IntLanes = __m256i;
-using FloatLanes = __m256;
-IntLanes int_lanes(int value) { return _mm256_set1_epi32(value); }
-IntLanes add(IntLanes a, IntLanes b) { return _mm256_add_epi32(a, b); }
-IntLanes bit_and(IntLanes a, IntLanes b) { return _mm256_and_si256(a, b); }
-IntLanes bit_or(IntLanes a, IntLanes b) { return _mm256_or_si256(a, b); }
-IntLanes mask_to_predicate(IntLanes all_ones_or_zero) { return _mm256_srli_epi32(all_ones_or_zero, 31); }
-IntLanes less(FloatLanes a, FloatLanes b) {
-  return mask_to_predicate(_mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)));
-}
-IntLanes is_zero(IntLanes a) { return mask_to_predicate(_mm256_cmpeq_epi32(a, int_lanes(0))); }
-IntLanes is_below(IntLanes a, int bound) { return mask_to_predicate(_mm256_cmpgt_epi32(int_lanes(bound), a)); }
-IntLanes select(IntLanes predicate, IntLanes if_one, IntLanes if_zero) {
-  return _mm256_blendv_epi8(if_zero, if_one, _mm256_sub_epi32(int_lanes(0), predicate));
-}
-IntLanes bucket_of(FloatLanes x) { return _mm256_srli_epi32(_mm256_castps_si256(x), 32 - kBucketBits); }
-FloatLanes gather_floats(const float* base, IntLanes index) { return _mm256_i32gather_ps(base, index, 4); }
-IntLanes gather_bytes(const uint8_t* base, IntLanes index) {
-  return bit_and(_mm256_i32gather_epi32(reinterpret_cast<const int*>(base), index, 1), int_lanes(0xff));
-}
-IntLanes load_codes(const uint8_t* codes) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
-}
-void store_codes(uint8_t* codes, IntLanes lanes) {
-  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm_packus_epi16(words, words));
-}
-FloatLanes load_floats(const float* values) { return _mm256_loadu_ps(values); }
-void store_floats(float* values, FloatLanes lanes) { _mm256_storeu_ps(values, lanes); }
-FloatLanes float_lanes(float value) { return _mm256_set1_ps(value); }
-FloatLanes multiply(FloatLanes a, FloatLanes b) { return _mm256_mul_ps(a, b); }
-FloatLanes divide(FloatLanes a, FloatLanes b) { return _mm256_div_ps(a, b); }
-#define SWAP_OPTIMIZER_CODE_LANES
-#endif
-
-#ifdef SWAP_OPTIMIZER_CODE_LANES
-constexpr int64_t kCodeLanes = sizeof(FloatLanes) / sizeof(float);
-static_assert(kQuantBlock % kCodeLanes == 0, "blocks hold whole vectors of codes");
-
-// count_below with bucket starts, on lanes.
-IntLanes count_below_lanes(const float* sorted, const uint8_t* bucket_starts, FloatLanes x) {
-  IntLanes index = gather_bytes(bucket_starts, bucket_of(x));
-  for (int step = 0; step < kBucketSteps; ++step) index = add(index, less(gather_floats(sorted, index), x));
-  return select(less(float_lanes(sorted[kCodes - 2]), x), int_lanes(kCodes - 1), index);
-}
-
-// code_of_normalized on lanes.
-template <int rounding>
-IntLanes code_lanes(const CodeMap& map, const uint8_t* bucket_starts, FloatLanes x, FloatLanes normalized,
-                    FloatLanes absmax) {
-  if constexpr (rounding == kRoundUp) {
-    const IntLanes code = count_below_lanes(map.values, bucket_starts, normalized);
-    const IntLanes rounded_down = less(multiply(gather_floats(map.values, code), absmax), x);
-    return add(code, bit_and(is_below(code, kCodes - 1), rounded_down));
-  }
-  const IntLanes code = count_below_lanes(map.midpoints, bucket_starts, normalized);
-  if constexpr (rounding == kRoundNearestNonzero) {
-    return bit_or(code, bit_and(is_zero(code), less(float_lanes(0.f), x)));
-  }
-  return code;
-}
-#endif
-
 template <typename param_t, typename state_t>
 __attribute__((flatten)) void update_values(const CompactRow& shared_row, int64_t begin, int64_t end,
                                             const AdamHyper& shared_hyper, const StepScalars& shared_scalars,
@@ -253,7 +152,7 @@ void update_block(const CompactRow& r, int64_t block, int64_t count, const AdamH
 #endif
   for (; j < count; ++j) {
     update_param_element<param_t>(r, block + j, hyper, s, grad_scale, value[0][j], value[1][j], value[2][j]);
-    for (int k = 0; k < moments; ++k) absmax[k] = std::max(absmax[k], magnitude_for_absmax(value[k][j]));
+    for (int k = 0; k < moments; ++k) absmax[k] = absmax_step(absmax[k], value[k][j]);
   }
 }
 
@@ -271,7 +170,7 @@ void decode_block(const CodeMap& map, const uint8_t* codes, int64_t count, float
 // store_code's rule over a block's `count` values, with the host's bucket
 // search. `rounding` is a template argument so the loops carry no branch on it.
 template <int rounding>
-void encode_block(const CodeMap& map, const uint8_t* bucket_starts, const float* values, int64_t count,
+void encode_block(const CodeMap& map, const uint32_t* buckets, const float* values, int64_t count,
                   float absmax, uint8_t* codes) {
   int64_t j = 0;
 #ifdef SWAP_OPTIMIZER_CODE_LANES
@@ -280,21 +179,20 @@ void encode_block(const CodeMap& map, const uint8_t* bucket_starts, const float*
     const FloatLanes x = load_floats(values + j);
     // normalized_for_code
     const FloatLanes normalized = absmax > 0.f ? divide(x, absmax_lanes) : float_lanes(0.f);
-    store_codes(codes + j, code_lanes<rounding>(map, bucket_starts, x, normalized, absmax_lanes));
+    store_codes(codes + j, code_lanes<rounding>(map, buckets, x, normalized, absmax_lanes));
   }
 #endif
   for (; j < count; ++j) {
-    codes[j] = code_of_normalized(map, bucket_starts, rounding, values[j], normalized_for_code(values[j], absmax), absmax);
+    codes[j] = code_of_normalized(map, buckets, rounding, values[j], normalized_for_code(values[j], absmax), absmax);
   }
 }
 
-void encode_block_as(int rounding, const CodeMap& map, const uint8_t* bucket_starts, const float* values,
+void encode_block_as(int rounding, const CodeMap& map, const uint32_t* buckets, const float* values,
                      int64_t count, float absmax, uint8_t* codes) {
   switch (rounding) {
-    case kRoundNearest: return encode_block<kRoundNearest>(map, bucket_starts, values, count, absmax, codes);
-    case kRoundNearestNonzero:
-      return encode_block<kRoundNearestNonzero>(map, bucket_starts, values, count, absmax, codes);
-    default: return encode_block<kRoundUp>(map, bucket_starts, values, count, absmax, codes);
+    case kRoundUp: return encode_block<kRoundUp>(map, buckets, values, count, absmax, codes);
+    case kRoundNearestNonzero: return encode_block<kRoundNearestNonzero>(map, buckets, values, count, absmax, codes);
+    default: return encode_block<kRoundNearest>(map, buckets, values, count, absmax, codes);
   }
 }
 
@@ -320,7 +218,7 @@ __attribute__((flatten)) void update_codes(const CompactRow& shared_row, int64_t
     for (int k = 0; k < moments; ++k) {
       r.absmax[k][block / kQuantBlock] = absmax[k];
       encode_block_as(moment_rounding(k), moment_map(maps, k),
-                      bucket_starts_for(search, moment_map_kind(k), moment_rounding(k)), value[k], count, absmax[k],
+                      code_buckets_for(search, moment_map_kind(k), moment_rounding(k)), value[k], count, absmax[k],
                       static_cast<uint8_t*>(r.moment[k]) + block);
     }
   }
@@ -328,7 +226,7 @@ __attribute__((flatten)) void update_codes(const CompactRow& shared_row, int64_t
 
 // The codec ops' loops (CodecLoops in compact_update_cpu.h).
 __attribute__((flatten)) void codec_decode_floats(const CodecEntry& e, int64_t begin, int64_t end) {
-  const CodeMap& map = e.map_kind == kSignedMap ? code_maps().signed_map : code_maps().unsigned_map;
+  const CodeMap& map = code_map_of(code_maps(), e.map_kind);
   for (int64_t block = begin; block < end; block += kQuantBlock) {
     decode_block(map, static_cast<const uint8_t*>(e.in) + block, std::min(kQuantBlock, end - block),
                  e.absmax[block / kQuantBlock], static_cast<float*>(e.out) + block);
@@ -348,19 +246,19 @@ float block_absmax(const float* values, int64_t count) {
   lanes_absmax.store(lanes);
   absmax = *std::max_element(lanes, lanes + kLanes);  // no NaN: the order does not matter
 #endif
-  for (; j < count; ++j) absmax = std::max(absmax, magnitude_for_absmax(values[j]));
+  for (; j < count; ++j) absmax = absmax_step(absmax, values[j]);
   return absmax;
 }
 
 __attribute__((flatten)) void codec_encode_floats(const CodecEntry& e, int64_t begin, int64_t end) {
-  const CodeMap& map = e.map_kind == kSignedMap ? code_maps().signed_map : code_maps().unsigned_map;
-  const uint8_t* bucket_starts = bucket_starts_for(code_search(), e.map_kind, e.rounding);
+  const CodeMap& map = code_map_of(code_maps(), e.map_kind);
+  const uint32_t* buckets = code_buckets_for(code_search(), e.map_kind, e.rounding);
   for (int64_t block = begin; block < end; block += kQuantBlock) {
     const int64_t count = std::min(kQuantBlock, end - block);
     const float* values = static_cast<const float*>(e.in) + block;
     const float absmax = block_absmax(values, count);
     e.absmax[block / kQuantBlock] = absmax;
-    encode_block_as(e.rounding, map, bucket_starts, values, count, absmax, static_cast<uint8_t*>(e.out) + block);
+    encode_block_as(e.rounding, map, buckets, values, count, absmax, static_cast<uint8_t*>(e.out) + block);
   }
 }
 

@@ -13,7 +13,6 @@
 namespace swap_optimizer {
 namespace {
 
-
 void fused_adam_packed_cpu(at::TensorList params, at::TensorList grads, const at::Tensor& arena,
                            const at::Tensor& layout, const at::Tensor& steps, double lr,
                            double beta1, double beta2, double eps, double weight_decay,

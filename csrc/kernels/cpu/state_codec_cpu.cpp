@@ -22,10 +22,6 @@ const CodecLoops& codec_loops() {
   return loops;
 }
 
-const CodeMap& map_of(const CodeMaps& maps, int map_kind) {
-  return map_kind == kSignedMap ? maps.signed_map : maps.unsigned_map;
-}
-
 // Runs fn(entry, begin, end) over every chunk of the batch, in parallel.
 template <typename Fn>
 void for_each_chunk(const CodecBatch& batch, const char* op, Fn fn) {
@@ -57,7 +53,7 @@ void decode_blockwise_8bit_cpu(at::TensorList codes, at::TensorList absmax, at::
   const CodeMaps& maps = code_maps();
   for_each_chunk(batch, op, [&](const CodecEntry& e, int64_t begin, int64_t end) {
     if (e.value_dtype == kCodecFloat) return codec_loops().decode_8bit(e, begin, end);
-    const CodeMap& map = map_of(maps, e.map_kind);
+    const CodeMap& map = code_map_of(maps, e.map_kind);
     with_value_type(e, [&](auto tag) {
       using value_t = decltype(tag);
       for (int64_t i = begin; i < end; ++i) codec_decode_element<value_t>(e, map, i);
@@ -73,8 +69,8 @@ void encode_blockwise_8bit_cpu(at::TensorList values, at::TensorList codes, at::
   const CodeSearch& search = code_search();
   for_each_chunk(batch, op, [&](const CodecEntry& e, int64_t begin, int64_t end) {
     if (e.value_dtype == kCodecFloat) return codec_loops().encode_8bit(e, begin, end);
-    const CodeMap& map = map_of(maps, e.map_kind);
-    const uint8_t* buckets = bucket_starts_for(search, e.map_kind, e.rounding);
+    const CodeMap& map = code_map_of(maps, e.map_kind);
+    const uint32_t* buckets = code_buckets_for(search, e.map_kind, e.rounding);
     with_value_type(e, [&](auto tag) {
       using value_t = decltype(tag);
       float value[kQuantBlock];

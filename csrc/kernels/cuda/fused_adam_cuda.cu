@@ -200,7 +200,7 @@ __device__ void update_codes_chunk(const CompactRow& r, int64_t begin, int64_t e
       for (int k = 0; k < moments; ++k) r.absmax[k][block / kQuantBlock] = block_absmax[k];
     }
     if (active) {
-      for (int k = 0; k < moments; ++k) store_code(r, maps, nullptr, k, i, value[k], block_absmax[k]);
+      for (int k = 0; k < moments; ++k) store_code(r, maps, k, i, value[k], block_absmax[k]);
     }
     __syncthreads();  // block_absmax is rewritten by the next block
   }

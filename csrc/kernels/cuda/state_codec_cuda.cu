@@ -35,7 +35,7 @@ static_assert(kQuantBlock % kWarpSize == 0, "a warp covers a quantization block 
 
 // Copies the entry's map into shared memory (all threads, then a barrier).
 __device__ void load_map(CodeMap& shared, const CodeMaps& maps, int map_kind) {
-  const CodeMap& map = map_kind == kSignedMap ? maps.signed_map : maps.unsigned_map;
+  const CodeMap& map = code_map_of(maps, map_kind);
   for (int c = threadIdx.x; c < kCodes; c += blockDim.x) {
     shared.values[c] = map.values[c];
     shared.midpoints[c] = map.midpoints[c];
