@@ -485,6 +485,22 @@ def _scalars_before(step: _StepContext, index: int) -> dict:
     return step.scalars[index] if before is None else before
 
 
+def _row(step: _StepContext, index: int, offset: int, count: int, param: torch.Tensor,
+         grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's param and grad: param `index` whole, or its piece (only
+    contiguous params are cut)."""
+    if count == step.row_plans[index].numel:
+        return param, grad
+    return param.view(-1)[offset:offset + count], grad.reshape(-1)[offset:offset + count]
+
+
+def _piece_scalars(step: _StepContext, index: int) -> dict:
+    """The scalars each piece of split param `index` starts from: copies of
+    the param's at step()."""
+    return {name: value.clone() if torch.is_tensor(value) else value
+            for name, value in _scalars_before(step, index).items()}
+
+
 def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
                   grads: list[Optional[torch.Tensor]], row_views: list[dict]) -> None:
     """One batch of `step`, by torch's own step: each row (a param, or a piece
@@ -502,11 +518,7 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
         if grad is None:
             continue
         plan = step.row_plans[index]
-        if offset == 0 and count == plan.numel:
-            piece, piece_grad = param.detach(), grad
-        else:  # only contiguous params are cut
-            piece = param.detach().view(-1)[offset:offset + count]
-            piece_grad = grad.reshape(-1)[offset:offset + count]
+        piece, piece_grad = _row(step, index, offset, count, param.detach(), grad)
         had_state = step.had_state[index]
         # With Kahan (a 16-bit param), torch's update runs on a float32 stand-in
         # (piece + compensation) and its float32 states; kahan_round splits it back.
@@ -520,10 +532,9 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
             if plan.scalars_in:
                 # A whole param's kept scalars are advanced by torch's step itself;
                 # each piece of a split param starts from a copy of those at step().
-                before, split = _scalars_before(step, index), index in step.scalars_before
+                scalars = _piece_scalars(step, index) if count != plan.numel else step.scalars[index]
                 for name in plan.scalars_in:
-                    value = before[name]
-                    entry[name] = value.clone() if split and torch.is_tensor(value) else value
+                    entry[name] = scalars[name]
             for kept in plan.coded:  # decoded below, one call per batch
                 if codec is None:
                     codec = BatchCodec(arena.device, step.rounding_seed)
@@ -613,12 +624,10 @@ def _functional_batch(step: _StepContext, batch: int, params: list[torch.Tensor]
             plan = step.row_plans[index]
             if plan.kept and not step.had_state[index]:  # (a row that keeps nothing, SGD's without momentum, has none)
                 return False
+            param, grad = _row(step, index, offset, count, param, grad)
             scalars = step.scalars[index]
-            if count != plan.numel:  # a piece: only contiguous params are cut
-                param = param.view(-1)[offset:offset + count]
-                grad = grad.reshape(-1)[offset:offset + count]
-                scalars = {name: value.clone() if torch.is_tensor(value) else value
-                           for name, value in _scalars_before(step, index).items()}
+            if count != plan.numel:
+                scalars = _piece_scalars(step, index)
                 if offset + count == plan.numel:
                     last_pieces.append((index, scalars))
             call = calls.get(step.group_of[index])
