@@ -102,8 +102,6 @@ class SpanIndex {
 // compiled in place (`_compiled_call_impl` set) and the identities of the
 // params it holds itself (`_parameters`), then a separator. Read from the
 // module's __dict__ as torch_internals.py names it (torch 2.11-2.14).
-// A module's dict entry `name`, which must be a dict: a torch that moved it
-// is refused here, naming it, rather than walked as if the module had none.
 // The attribute names, made once (a lookup by a C string makes a Python string each time).
 struct StructureKeys {
   py::str compiled = py::str("_compiled_call_impl");

@@ -92,6 +92,13 @@ void store_moment_lanes(const CompactRow& r, int k, int64_t i, const FloatVec (&
 
 // magnitude_for_absmax on lanes.
 FloatVec magnitude_lanes(const FloatVec& x) { return FloatVec::blendv(x.abs(), FloatVec(0.f), x != x); }
+
+// The largest of lanes of magnitudes: they hold no NaN, so the order of the max does not matter.
+float largest_lane(const FloatVec& magnitudes) {
+  float lanes[kLanes];
+  magnitudes.store(lanes);
+  return *std::max_element(lanes, lanes + kLanes);
+}
 #endif
 
 template <typename param_t, typename state_t>
@@ -143,12 +150,7 @@ void update_block(const CompactRow& r, int64_t block, int64_t count, const AdamH
                                                                            magnitude_lanes(updated[k][1])));
     }
   }
-  // Magnitudes hold no NaN, so the order of the max does not matter.
-  for (int k = 0; k < moments; ++k) {
-    float lanes[kLanes];
-    lanes_absmax[k].store(lanes);
-    absmax[k] = *std::max_element(lanes, lanes + kLanes);
-  }
+  for (int k = 0; k < moments; ++k) absmax[k] = largest_lane(lanes_absmax[k]);
 #endif
   for (; j < count; ++j) {
     update_param_element<param_t>(r, block + j, hyper, s, grad_scale, value[0][j], value[1][j], value[2][j]);
@@ -242,9 +244,7 @@ float block_absmax(const float* values, int64_t count) {
   for (; j + kLanes <= count; j += kLanes) {
     lanes_absmax = at::vec::maximum(lanes_absmax, magnitude_lanes(FloatVec::loadu(values + j)));
   }
-  float lanes[kLanes];
-  lanes_absmax.store(lanes);
-  absmax = *std::max_element(lanes, lanes + kLanes);  // no NaN: the order does not matter
+  absmax = largest_lane(lanes_absmax);
 #endif
   for (; j < count; ++j) absmax = absmax_step(absmax, values[j]);
   return absmax;
