@@ -128,6 +128,18 @@ def _seconds_per_step(optimizer, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def _rounds(optimizers: dict, rounds: int, steps: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds a step of each optimizer, a round each in turn, per measured
+    round; round 0 warms up (a vouched-for optimizer learns there)."""
+    times: dict[str, list[float]] = {name: [] for name in optimizers}
+    for number in range(rounds + 1):
+        measured = {name: _seconds_per_step(optimizer, steps, device) for name, optimizer in optimizers.items()}
+        if number:
+            for name, seconds in measured.items():
+                times[name].append(seconds)
+    return times
+
+
 def measure_step(path: str, shapes: list[tuple[int, ...]], device: torch.device, rounds: int, steps: int) -> dict:
     """One optimizer path over one shape set: the plain optimizer and its
     SwapOptimizer (swap_times 16, every param swapped) on the same params and
@@ -145,13 +157,8 @@ def measure_step(path: str, shapes: list[tuple[int, ...]], device: torch.device,
                                                                                COARSER_SWAP_TIMES)))
     for p, q in zip(swapped_params, coarser.param_groups[0]["params"]):
         q.grad = p.grad.clone()
-    times: dict[str, list[float]] = {"plain": [], "swapped": [], "coarser": []}
-    for number in range(rounds + 1):  # round 0 warms up (a vouched-for optimizer learns there)
-        measured = {name: _seconds_per_step(optimizer, steps, device) * 1e6
-                    for name, optimizer in (("plain", plain), ("swapped", swapped), ("coarser", coarser))}
-        if number:
-            for name, microseconds in measured.items():
-                times[name].append(microseconds)
+    times = {name: [seconds * 1e6 for seconds in measured] for name, measured in
+             _rounds({"plain": plain, "swapped": swapped, "coarser": coarser}, rounds, steps, device).items()}
     batches, coarser_batches = (o.memory_stats()["batches"] for o in (swapped, coarser))
     # The extra time a step, split into a cost per batch (from the two batch
     # counts) and the rest per param, from each run's fastest round (the one
@@ -179,12 +186,8 @@ def measure_compact(path: str, device: torch.device, rounds: int, steps: int, nu
         settings = {} if state_dtype is None else {"state_dtype": state_dtype}
         optimizers[name] = SwapOptimizer(COMPACT_PATHS[path](params), swap_times=COMPACT_SWAP_TIMES, min_numel=0,
                                          **settings)
-    times: dict[str, list[float]] = {name: [] for name in optimizers}
-    for number in range(rounds + 1):
-        measured = {name: _seconds_per_step(optimizer, steps, device) * 1e3 for name, optimizer in optimizers.items()}
-        if number:
-            for name, milliseconds in measured.items():
-                times[name].append(milliseconds)
+    times = {name: [seconds * 1e3 for seconds in measured]
+             for name, measured in _rounds(optimizers, rounds, steps, device).items()}
     row = {"path": path, "elements": numel, "default_ms": _summary(times["default"])}
     for name in COMPACT_STATES:
         row[name] = {"ms": _summary(times[name]),
