@@ -14,6 +14,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Iterable
+from itertools import chain
 from typing import Any, Callable, Optional
 
 import torch
@@ -263,7 +264,7 @@ class SwapOptimizer(torch.optim.Optimizer):
             self.optimizer.param_groups = groups
 
     def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
+        return list(chain.from_iterable(g["params"] for g in self.param_groups))
 
     def _group_of_param(self) -> list[int]:
         return [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
@@ -396,7 +397,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         """The first reads the residents follow: those adopted for these
         params, while a budget is in force (None: param order)."""
         ranked = self._ranked_by
-        if ranked is None or self._budget_now() is None or ranked[0] != [id(p) for p in self._params()]:
+        if ranked is None or self._budget_now() is None or ranked[0] != list(map(id, self._params())):
             return None
         return ranked[1]
 
@@ -421,7 +422,7 @@ class SwapOptimizer(torch.optim.Optimizer):
         to step must not move the store every step); derives an "auto" budget
         once it is due. Under a budget, either lays the store out again, in one
         move."""
-        overlap, ids = self._overlap, [id(p) for p in self._params()]
+        overlap, ids = self._overlap, list(map(id, self._params()))
         adopting = overlap is not None and overlap.first_reads is not None \
             and (self._ranked_by is None or self._ranked_by[0] != ids)
         if adopting:

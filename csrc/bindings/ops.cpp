@@ -5,6 +5,7 @@
 #include "../kernels/op_registry.h"
 #include "runtime_bindings.h"
 #include "overlap_checks.h"
+#include "step_checks.h"
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -46,4 +47,5 @@ PYBIND11_MODULE(_C, module) {
   module.attr("layout_columns") = names(so::kLayoutColumnNames, so::kLayoutColumns);
   swap_optimizer::bind_runtime(module);
   swap_optimizer::bind_overlap_checks(module);
+  swap_optimizer::bind_step_checks(module);
 }

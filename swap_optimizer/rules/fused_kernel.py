@@ -217,7 +217,7 @@ class PackedKernelRule:
         opt._planning = planning
         opt._group_sizes = [len(g["params"]) for g in opt.param_groups]
         opt._param_ids = [id(p) for p in params]
-        opt._data_pointers = [p.data_ptr() for p in local_params]
+        opt._data_pointers = _C.data_pointers(local_params)
         self._note_param_versions(opt)
 
     def _note_param_versions(self, opt) -> None:
@@ -282,7 +282,7 @@ class PackedKernelRule:
                                    float(group["weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]),
                                    bool(decoupled)))
             params = [p for g in groups for p in g["params"]]
-            data_pointers = [_local(p).data_ptr() for p in params]
+            data_pointers = _C.data_pointers([_local(p) for p in params])
             if data_pointers != opt._data_pointers:  # .data replaced since the last step: aliasing is possible again
                 check_distinct(params)
                 opt._data_pointers = data_pointers

@@ -222,6 +222,13 @@ def _keep_scalar(scalars: dict, name: str, new: Any) -> bool:
     return True
 
 
+def _signature(params: list) -> Any:
+    """The params' dtypes and shapes, in a form equal while none changed
+    (bytes from C++; tuples where a member is not a tensor)."""
+    signature = _C.tensor_signature(params)
+    return signature if signature is not None else tuple((p.dtype, p.shape) for p in params)
+
+
 class _SettingsKey:
     """What the store's layout is made from (each group's params, with their
     dtypes and shapes, and its settings), in a form that shows any change:
@@ -234,10 +241,11 @@ class _SettingsKey:
 
     def __init__(self, param_groups: list[dict]) -> None:
         self._held: list = []
-        self._tokens = tuple((tuple(map(id, group["params"])), tuple((p.dtype, p.shape) for p in group["params"]),
+        self._tokens = tuple((tuple(map(id, group["params"])), _signature(group["params"]),
                               tuple((key, self._token(value)) for key, value in group.items() if key != "params"))
                              for group in param_groups)
-        self._held.extend(p for group in param_groups for p in group["params"])
+        for group in param_groups:
+            self._held.extend(group["params"])
 
     _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
@@ -946,7 +954,7 @@ class TorchUpdateRule:
                                      if count != self._row_plans[index].numel})
         opt._param_ids = [id(p) for p in params]
         opt._group_sizes = [len(g["params"]) for g in opt.param_groups]
-        opt._data_pointers = [_local(p).data_ptr() for p in params]
+        opt._data_pointers = _C.data_pointers([_local(p) for p in params])
         self._refresh_state(opt, params)
 
     def _swap_times_for_budget(self, opt, params: list, states: list, swappable: list, splittable: list,
@@ -1127,15 +1135,14 @@ class TorchUpdateRule:
         self._follow(opt)
         params = opt._params()
         locals_ = [_local(p) for p in params] if self._dtensors else params  # a DTensor's: this rank's shard
-        data_pointers = [p.data_ptr() for p in locals_]
+        data_pointers = _C.data_pointers(locals_)
         if data_pointers != opt._data_pointers:  # .data replaced since the last step
             check_distinct(params)
             opt._data_pointers = data_pointers
-        grads = [p.grad for p in params]
+        grads, sparse = _C.grads_of(params)  # (per-param loops in C++: the step's host time, issue 32)
         if self._dtensors:
             grads = [None if grad is None else _local(grad) for grad in grads]
-        sparse = next((i for i, grad in enumerate(grads) if grad is not None and grad.is_sparse), None)
-        if sparse is not None:
+        if sparse >= 0:
             raise RuntimeError(f"SwapOptimizer: param {sparse} has a sparse gradient; {type(self.optimizer).__name__} "
                                "runs on dense grads here (torch.optim.SparseAdam is the optimizer for sparse ones)")
         self._sync_edits(opt, params)

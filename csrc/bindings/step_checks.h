@@ -1,0 +1,14 @@
+// step()'s per-param checks in C++: what the torch-update rule reads of every
+// param at each step (whether any changed dtype or shape, or had its .data
+// replaced; the grads, and whether one is sparse). In Python these loops cost
+// about 1 µs a param a step, a share of the host's time that grows with the
+// param count (the "1000 x 64" rows of the --host-overhead bench).
+#pragma once
+
+#include <torch/extension.h>
+
+namespace swap_optimizer {
+
+void bind_step_checks(pybind11::module& module);
+
+}  // namespace swap_optimizer
