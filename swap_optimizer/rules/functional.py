@@ -139,6 +139,18 @@ class FunctionalUpdate:
         except KeyError:
             raise NotReady from None
 
+    def lists_over(self, group: dict, views: list, scalars: list) -> list[list]:
+        """lists_of over rows whose staged views and kept scalars come apart
+        (per row, a dict of each): a state among row 0's scalars is taken from
+        the scalars, as a merged entry would give it. Raises NotReady where a
+        row lacks a state the call reads."""
+        try:
+            return [[] if when is not None and not when(group) else
+                    [row[name] for row in (scalars if name in scalars[0] else views)]
+                    for name, when in self.lists]
+        except KeyError:
+            raise NotReady from None
+
     def __call__(self, keywords: dict, params: list, grads: list, lists: list[list], amp: dict) -> None:
         extras = {}
         if "has_complex" in self.extras:

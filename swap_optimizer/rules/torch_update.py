@@ -11,7 +11,7 @@ import math
 import operator
 import warnings
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -472,6 +472,10 @@ class _StepContext:
     # (None: each batch runs the class's step(); see rules/functional.py)
     functional: Optional[FunctionalUpdate] = None
     functional_keywords: Optional[list[dict]] = None
+    batch_rows: Optional[list[list[int]]] = None  # per batch: its rows' params
+    # per batch: the one group of its rows where each is a whole param that has
+    # stepped before (None: not so; None for all: some param has not stepped)
+    whole_batch_group: Optional[list[Optional[int]]] = None
 
 
 class _BatchRule:
@@ -622,6 +626,18 @@ def _functional_batch(step: _StepContext, batch: int, params: list[torch.Tensor]
     views or kept scalars updated in place, so a whole param needs nothing
     after the call; a split param's pieces start from copies of its scalars,
     the last one's kept."""
+    group = step.whole_batch_group[batch] if step.whole_batch_group is not None else None
+    if group is not None and all(map(operator.is_not, grads, repeat(None))):
+        # The common batch (whole params of one group, all with grads and
+        # states): the runtime's lists are the call's, without a per-row walk.
+        try:
+            lists = step.functional.lists_over(step.step_groups[group], row_views,
+                                               [step.scalars[index] for index in step.batch_rows[batch]])
+        except NotReady:
+            return False
+        with torch.no_grad():
+            step.functional(step.functional_keywords[group], params, grads, lists, step.grad_scale)
+        return True
     calls: dict[int, tuple[list, list, list]] = {}  # per group: its rows, their grads, their states by name
     last_pieces = []  # (param, its scalars after the update) for each split param's last piece
     with torch.no_grad():  # (a deferred step's batches run on the runtime's thread)
@@ -950,6 +966,17 @@ class TorchUpdateRule:
         self._row_plans = [_row_plan(specs, p.numel()) for specs, p in zip(layouts, locals_)]
         # torch's functional update takes the staged views as they are: no compact state, no Kahan
         self._functional_fits = not any(plan.kahan or plan.coded for plan in self._row_plans)
+        # Per batch: its rows' params, and their one group where every row is a
+        # whole param of that group (else None): after a param's first step such
+        # a batch hands torch's functional update the runtime's own lists. (The
+        # groups hold for the layout: a change of the params or of a group's
+        # size lays the store out again.)
+        group_of = opt._group_of_param()
+        self._batch_rows = [[index for index, _, _ in batch["pieces"]] for batch in self._batch_layout]
+        self._whole_batch_group = [
+            group_of[rows[0]] if rows and all(group_of[i] == group_of[rows[0]] for i in rows) and
+            all(count == self._row_plans[index].numel for index, _, count in batch["pieces"]) else None
+            for rows, batch in zip(self._batch_rows, self._batch_layout)]
         self._split_params = sorted({index for batch in self._batch_layout for index, _, count in batch["pieces"]
                                      if count != self._row_plans[index].numel})
         opt._param_ids = [id(p) for p in params]
@@ -1187,7 +1214,8 @@ class TorchUpdateRule:
                     had_state=list(self._shown), group_of=self._group_of, step_groups=self._step_groups,
                     grad_scale={name: _fresh(value) for name, value in amp.items()},
                     group_writes=writes, rounding_seed=getattr(self, "_rounding_seed", None),
-                    global_offsets=self._global_offsets)
+                    global_offsets=self._global_offsets, batch_rows=self._batch_rows,
+                    whole_batch_group=self._whole_batch_group if all(self._shown) else None)
                 # (accepts: a class patched since this rule was made runs step() from then on)
                 if self._functional is not None and writes is None and self._functional_fits and \
                         self._functional.accepts(self.optimizer):

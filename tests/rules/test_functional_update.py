@@ -74,6 +74,33 @@ def test_after_the_first_step_every_batch_calls_the_functional_update(name, call
     assert_same_state(plain, swapped)
 
 
+@pytest.mark.parametrize("swap_times", [6, 4])
+@pytest.mark.parametrize("name", ["SGD", "Adam", "NAdam"])
+def test_each_group_calls_with_its_own_settings(name, swap_times, calls):
+    """Two groups with other settings: a batch of one group's whole params
+    hands the runtime's lists to the call with that group's values (swap_times
+    6: every batch; 4: a batch of both groups walks its rows)."""
+    cls = getattr(torch.optim, name)
+    kwargs = first_variant(name)
+
+    def make():
+        generator = torch.Generator().manual_seed(1)
+        return [nn.Parameter(torch.randn(64, 32, generator=generator)) for _ in range(6)]
+    a, b = make(), make()
+
+    def groups(params):
+        return [{"params": params[:3]}, {"params": params[3:], "lr": kwargs.get("lr", 1e-3) * 3, "weight_decay": 0.3}]
+    plain = cls(groups(a), **kwargs)
+    swapped = so.SwapOptimizer(cls(groups(b), **kwargs), swap_times=swap_times, min_numel=0)
+    for step in range(4):
+        give_grads(step, a, b)
+        plain.step()
+        swapped.step()
+    assert calls["functional"] > 0
+    assert all(same_bits(p, q) for p, q in zip(a, b))
+    assert_same_state(plain, swapped)
+
+
 @pytest.mark.parametrize("name", ["SGD", "NAdam"])
 def test_a_batch_with_a_param_at_its_first_step_runs_step(name, calls):
     """A param whose grad first comes at a later step: its batch runs step()
