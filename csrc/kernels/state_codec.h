@@ -71,14 +71,28 @@ SWAP_HOST_DEVICE inline uint64_t rounding_key(uint64_t seed, int64_t param_index
   return mix64(mix64(seed + 0x9e3779b97f4a7c15ULL) ^ (static_cast<uint64_t>(param_index) * 4 + moment));
 }
 
-// The part of an element's rounding bits that all its moments share.
-SWAP_HOST_DEVICE inline uint64_t element_rounding_hash(int64_t global_index, uint32_t step) {
-  return mix64(static_cast<uint64_t>(global_index)) ^ (static_cast<uint64_t>(step) << 32);
+// A 32-bit finalizer (lowbias32, from Wellons' hash-prospector). The per-element
+// bits are made of it: in 32-bit lanes it vectorises on every ISA, where
+// mix64's 64-bit multiplies are emulated on AVX2 (they bounded bf16 steps there).
+SWAP_HOST_DEVICE inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// The part of an element's rounding bits that all its moments share: its
+// index (both halves: a state may hold more than 2^32 elements) and the step.
+SWAP_HOST_DEVICE inline uint32_t element_rounding_hash(int64_t global_index, uint32_t step) {
+  const uint64_t index = static_cast<uint64_t>(global_index);
+  return mix32(static_cast<uint32_t>(index) ^ mix32(static_cast<uint32_t>(index >> 32) ^ mix32(step)));
 }
 
 // 32 random bits for one element of the state keyed `key` (rounding_key).
-SWAP_HOST_DEVICE inline uint32_t rounding_bits_of(uint64_t key, uint64_t element_hash) {
-  return static_cast<uint32_t>(mix64(key ^ element_hash) >> 32);
+SWAP_HOST_DEVICE inline uint32_t rounding_bits_of(uint64_t key, uint32_t element_hash) {
+  return mix32(static_cast<uint32_t>(key ^ (key >> 32)) ^ element_hash);
 }
 
 // 32 random bits for one element at one step.

@@ -187,6 +187,24 @@ def test_bf16_stochastic_is_unbiased(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_bf16_stochastic_bits_are_the_generators_beyond_two_to_the_32(device):
+    """The op's rounding is the reference generator's (test_compact_states:
+    lowbias32 over the element index's two 32-bit halves and the step), also
+    for elements past 2^32 (a state of a model with more elements than that),
+    whose high half makes other bits than the same low half's."""
+    from test_compact_states import ref_stochastic_bf16
+    v = random_values(5000, seed=12)
+    for offset in (0, 2 ** 32 - 2500, 3 * 2 ** 32 + 17):
+        encoded = encode_bf16([v], [(7, 2, offset, 9)], device)[0]
+        reference = ref_stochastic_bf16(v, 1234, 7, 2, 9, first_index=offset)
+        finite = v.isfinite()
+        assert torch.equal(bits(encoded[finite]), bits(reference[finite])), f"offset {offset}"
+    low_only = encode_bf16([v], [(7, 2, 17, 9)], device)[0]
+    high_too = encode_bf16([v], [(7, 2, 3 * 2 ** 32 + 17, 9)], device)[0]
+    assert not torch.equal(bits(low_only), bits(high_too))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bf16_stochastic_whole_equals_pieces_in_any_order(device):
     v = random_values(3 * 4096 + 77, seed=9)
     w = random_values(600, seed=10)

@@ -79,12 +79,25 @@ def mix64(x):
         return x ^ (x >> np.uint64(31))
 
 
-def ref_stochastic_bf16(values: torch.Tensor, seed: int, param_index: int, moment: int, step: int) -> torch.Tensor:
+def mix32(x):
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x7FEB352D)
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(0x846CA68B)
+        return x ^ (x >> np.uint32(16))
+
+
+def ref_stochastic_bf16(values: torch.Tensor, seed: int, param_index: int, moment: int, step: int,
+                        first_index: int = 0) -> torch.Tensor:
     """Stochastic rounding to bf16 keyed by (seed, param, moment, global element index, step)."""
     with np.errstate(over="ignore"):
         key = mix64(mix64(np.uint64(seed) + np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(param_index * 4 + moment))
-        index = np.arange(values.numel(), dtype=np.uint64)
-        random = mix64(key ^ mix64(index) ^ (np.uint64(step) << np.uint64(32))) >> np.uint64(32)
+        key32 = np.uint32((key ^ (key >> np.uint64(32))) & np.uint64(0xFFFFFFFF))
+        index = np.arange(values.numel(), dtype=np.uint64) + np.uint64(first_index)
+        low, high = (index & np.uint64(0xFFFFFFFF)).astype(np.uint32), (index >> np.uint64(32)).astype(np.uint32)
+        element = mix32(low ^ mix32(high ^ mix32(np.uint32(step))))
+        random = mix32(key32 ^ element).astype(np.uint64)
     bits = values.reshape(-1).float().numpy().view(np.uint32).astype(np.uint64)
     rounded = ((bits + (random & np.uint64(0xFFFF))) >> np.uint64(16)).astype(np.uint16)
     return torch.from_numpy(rounded.view(np.int16).copy()).view(torch.bfloat16).view(values.shape)

@@ -75,7 +75,7 @@ void update_param_lanes(const CompactRow& r, int64_t i, const AdamHyper& hyper, 
 // lanes' element_rounding_hash when bf16 moments round stochastically.
 template <typename state_t>
 void store_moment_lanes(const CompactRow& r, int k, int64_t i, const FloatVec (&x)[2],
-                        const uint64_t (&element_hash)[kStep]) {
+                        const uint32_t (&element_hash)[kStep]) {
   if constexpr (std::is_same_v<state_t, c10::BFloat16>) {
     if (r.stochastic) {
       float values[kStep];
@@ -112,7 +112,7 @@ __attribute__((flatten)) void update_values(const CompactRow& shared_row, int64_
   int64_t i = begin;
 #if !defined(CPU_CAPABILITY_DEFAULT)
   const bool stochastic = std::is_same_v<state_t, c10::BFloat16> && r.stochastic;
-  uint64_t element_hash[kStep] = {};
+  uint32_t element_hash[kStep] = {};
   for (; i + kStep <= end; i += kStep) {
     FloatVec m[2], v[2], v_max[2] = {FloatVec(0.f), FloatVec(0.f)};
     load_pair(static_cast<const state_t*>(r.moment[kMomentExpAvg]) + i, m[0], m[1]);

@@ -37,13 +37,24 @@ using CpuUpdateFn = void (*)(DtypePair pair, const std::vector<CpuParamWork>& wo
 
 // The build of a loop for the instruction set torch itself picked for this
 // CPU; honours the ATEN_CPU_CAPABILITY environment variable as torch's own
-// kernels do. (Without ISA variants only the default build exists.)
+// kernels do, but never above what the CPU runs (torch reports "AVX512" for
+// ATEN_CPU_CAPABILITY=avx512 on a CPU without it, and those loops would stop
+// the process on an illegal instruction). The features are each build's
+// target (capability_avx2.cpp, capability_avx512.cpp). (Without ISA variants
+// only the default build exists.)
 #ifdef SWAP_OPTIMIZER_CPU_ISA_VARIANTS
+inline bool cpu_runs_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+inline bool cpu_runs_avx512() {
+  return cpu_runs_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
 template <typename Fn>
 Fn for_this_cpu(Fn default_build, Fn avx2_build, Fn avx512_build) {
   const std::string capability = at::get_cpu_capability();
-  if (capability == "AVX512") return avx512_build;
-  if (capability == "AVX2") return avx2_build;
+  if (capability == "AVX512" && cpu_runs_avx512()) return avx512_build;
+  if ((capability == "AVX512" || capability == "AVX2") && cpu_runs_avx2()) return avx2_build;
   return default_build;
 }
 #define SWAP_OPTIMIZER_FOR_THIS_CPU(name) for_this_cpu(&name##_default, &name##_avx2, &name##_avx512)
