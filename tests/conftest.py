@@ -1,7 +1,6 @@
 import gc
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -49,16 +48,6 @@ DEVICES = [
 # store layout, or that compare the two update paths.
 PACKED_KERNEL = dict(state_dtype=torch.float32)
 
-
-def cpu_capabilities() -> list[str]:
-    """The ATEN_CPU_CAPABILITY values this CPU runs, baseline first: up to
-    the capability torch picks without the variable (it reports "AVX512" for
-    ATEN_CPU_CAPABILITY=avx512 on a CPU without AVX-512 too)."""
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-    native = subprocess.run([sys.executable, "-P", "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
-                            env=env, capture_output=True, text=True, check=True).stdout.strip().lower()
-    order = ["default", "avx2", "avx512"]
-    return order[:order.index(native) + 1] if native in order else ["default"]
 requires_cuda = pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=str(CUDA_SKIP_REASON))
 
 

@@ -14,14 +14,25 @@ py::bytes as_bytes(const std::vector<int64_t>& words) {
   return py::bytes(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(int64_t));
 }
 
+// The items of a list, tuple or other iterable, held while they are read (a
+// getter that runs Python may change the sequence meanwhile).
+py::list items_of(const py::handle& sequence) {
+  PyObject* items = PySequence_List(sequence.ptr());
+  if (items == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::list>(items);
+}
+
 // Each tensor's dtype and shape, as bytes: two are equal while none changed
-// (the dim count separates the shapes). None where an item is no tensor.
-py::object tensor_signature(const py::sequence& tensors) {
+// (the dim count separates the shapes). None where an item is no tensor or
+// has no plain sizes (nested, symbolic): the caller's Python reads those.
+py::object tensor_signature(const py::handle& tensors) {
+  const py::list items = items_of(tensors);
   std::vector<int64_t> words;
-  words.reserve(tensors.size() * 4);
-  for (const py::handle item : tensors) {
+  words.reserve(items.size() * 4);
+  for (const py::handle item : items) {
     if (!THPVariable_Check(item.ptr())) return py::none();
     const at::Tensor& tensor = THPVariable_Unpack(item.ptr());
+    if (tensor.is_nested() || tensor.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return py::none();
     const auto sizes = tensor.sizes();
     words.push_back(static_cast<int64_t>(tensor.scalar_type()));
     words.push_back(static_cast<int64_t>(sizes.size()));
@@ -31,10 +42,11 @@ py::object tensor_signature(const py::sequence& tensors) {
 }
 
 // Each tensor's data_ptr(), as bytes (equal while no .data was replaced).
-py::bytes data_pointers(const py::sequence& tensors) {
+py::bytes data_pointers(const py::handle& tensors) {
+  const py::list items = items_of(tensors);
   std::vector<int64_t> words;
-  words.reserve(tensors.size());
-  for (const py::handle item : tensors) {
+  words.reserve(items.size());
+  for (const py::handle item : items) {
     TORCH_CHECK_TYPE(THPVariable_Check(item.ptr()), "data_pointers: expected tensors, got ",
                      Py_TYPE(item.ptr())->tp_name);
     words.push_back(reinterpret_cast<int64_t>(THPVariable_Unpack(item.ptr()).data_ptr()));
@@ -44,18 +56,18 @@ py::bytes data_pointers(const py::sequence& tensors) {
 
 // Each param's .grad (read as Python reads it: a subclass's getter runs), and
 // the index of the first sparse one (-1: none).
-py::tuple grads_of(const py::sequence& params) {
-  static const py::handle grad_name = py::str("grad").release();  // (interned once, never freed)
-  py::list grads(params.size());
+py::tuple grads_of(const py::handle& params) {
+  static PyObject* const grad_name = PyUnicode_InternFromString("grad");  // (never freed)
+  const py::list items = items_of(params);
+  py::list grads(items.size());
   int64_t first_sparse = -1;
-  size_t index = 0;
-  for (const py::handle param : params) {
-    py::object grad = py::reinterpret_steal<py::object>(PyObject_GetAttr(param.ptr(), grad_name.ptr()));
+  for (size_t index = 0; index < items.size(); ++index) {
+    py::object grad = py::reinterpret_steal<py::object>(PyObject_GetAttr(items[index].ptr(), grad_name));
     if (!grad) throw py::error_already_set();
     if (first_sparse < 0 && THPVariable_Check(grad.ptr()) && THPVariable_Unpack(grad.ptr()).is_sparse()) {
       first_sparse = static_cast<int64_t>(index);
     }
-    grads[index++] = std::move(grad);
+    grads[index] = std::move(grad);
   }
   return py::make_tuple(std::move(grads), first_sparse);
 }

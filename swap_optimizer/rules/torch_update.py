@@ -474,7 +474,7 @@ class _StepContext:
     functional_keywords: Optional[list[dict]] = None
     batch_rows: Optional[list[list[int]]] = None  # per batch: its rows' params
     # per batch: the one group of its rows where each is a whole param that has
-    # stepped before (None: not so; None for all: some param has not stepped)
+    # stepped before or keeps nothing (None: not so)
     whole_batch_group: Optional[list[Optional[int]]] = None
 
 
@@ -629,15 +629,17 @@ def _functional_batch(step: _StepContext, batch: int, params: list[torch.Tensor]
     group = step.whole_batch_group[batch] if step.whole_batch_group is not None else None
     if group is not None and all(map(operator.is_not, grads, repeat(None))):
         # The common batch (whole params of one group, all with grads and
-        # states): the runtime's lists are the call's, without a per-row walk.
+        # states): the runtime's lists are the call's, without a per-row walk
+        # (where a row lacks a state the call reads, the walk decides).
         try:
             lists = step.functional.lists_over(step.step_groups[group], row_views,
                                                [step.scalars[index] for index in step.batch_rows[batch]])
         except NotReady:
-            return False
-        with torch.no_grad():
-            step.functional(step.functional_keywords[group], params, grads, lists, step.grad_scale)
-        return True
+            lists = None
+        if lists is not None:
+            with torch.no_grad():
+                step.functional(step.functional_keywords[group], params, grads, lists, step.grad_scale)
+            return True
     calls: dict[int, tuple[list, list, list]] = {}  # per group: its rows, their grads, their states by name
     last_pieces = []  # (param, its scalars after the update) for each split param's last piece
     with torch.no_grad():  # (a deferred step's batches run on the runtime's thread)
@@ -1215,7 +1217,10 @@ class TorchUpdateRule:
                     grad_scale={name: _fresh(value) for name, value in amp.items()},
                     group_writes=writes, rounding_seed=getattr(self, "_rounding_seed", None),
                     global_offsets=self._global_offsets, batch_rows=self._batch_rows,
-                    whole_batch_group=self._whole_batch_group if all(self._shown) else None)
+                    whole_batch_group=self._whole_batch_group if all(self._shown) else [
+                        group if group is not None and all(self._shown[i] or not self._row_plans[i].kept
+                                                           for i in rows) else None
+                        for group, rows in zip(self._whole_batch_group, self._batch_rows)])
                 # (accepts: a class patched since this rule was made runs step() from then on)
                 if self._functional is not None and writes is None and self._functional_fits and \
                         self._functional.accepts(self.optimizer):

@@ -33,7 +33,8 @@ def test_every_call_is_known_on_the_checked_torch_versions():
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Counts of the two paths: torch's functional call, the class's step() on a stand-in."""
+    """Counts of the two paths: torch's functional call, the class's step() on
+    a stand-in; and of the calls whose lists are the runtime's (lists_over)."""
     counts = {"functional": 0, "step": 0}
     functional_call, torch_step = FunctionalUpdate.__call__, torch_update.run_torch_update
 
@@ -45,6 +46,14 @@ def calls(monkeypatch):
         counts["step"] += 1
         return torch_step(*args, **kwargs)
 
+    lists_over = FunctionalUpdate.lists_over
+    counts["lists_over"] = 0
+
+    def counted_lists_over(self, *args, **kwargs):
+        counts["lists_over"] += 1
+        return lists_over(self, *args, **kwargs)
+
+    monkeypatch.setattr(FunctionalUpdate, "lists_over", counted_lists_over)
     monkeypatch.setattr(FunctionalUpdate, "__call__", counted_functional)
     monkeypatch.setattr(torch_update, "run_torch_update", counted_step)
     return counts
@@ -68,7 +77,7 @@ def test_after_the_first_step_every_batch_calls_the_functional_update(name, call
         plain.step()
         swapped.step()
         if step == 0:
-            assert calls == ({"functional": 0, "step": 4} if first_by_step else {"functional": 4, "step": 0})
+            assert (calls["functional"], calls["step"]) == ((0, 4) if first_by_step else (4, 0))
     assert calls["step"] == (4 if first_by_step else 0) and calls["functional"] >= (3 if first_by_step else 4) * 4
     assert all(same_bits(p, q) for p, q in zip(a, b))
     assert_same_state(plain, swapped)
@@ -96,9 +105,27 @@ def test_each_group_calls_with_its_own_settings(name, swap_times, calls):
         give_grads(step, a, b)
         plain.step()
         swapped.step()
-    assert calls["functional"] > 0
+    # (after the first step; swap_times 6: a param a batch, all of them;
+    # 4: one batch of the four holds both groups and walks its rows)
+    assert calls["lists_over"] == (6 * 3 if swap_times == 6 else 3 * 3)
     assert all(same_bits(p, q) for p, q in zip(a, b))
     assert_same_state(plain, swapped)
+
+
+@pytest.mark.parametrize("name", ["Adam", "SGD"])
+def test_lists_over_gives_the_merged_entries_lists(name):
+    """lists_over (views and kept scalars apart) gives lists_of's lists over
+    the merged entries, the same objects in the same order."""
+    update = functional_updates()[getattr(torch.optim, name)]
+    group = {"amsgrad": False, "momentum": 0.9}
+    names = [list_name for list_name, _ in update.lists]
+    views = [{n: torch.randn(3) for n in names if n != "step"} for _ in range(4)]
+    scalars = [{"step": torch.tensor(float(i))} if "step" in names else {} for i in range(4)]
+    merged = update.lists_of(group, [{**v, **s} for v, s in zip(views, scalars)])
+    apart = update.lists_over(group, views, scalars)
+    assert [[id(x) for x in lst] for lst in apart] == [[id(x) for x in lst] for lst in merged]
+    with pytest.raises(functional.NotReady):
+        update.lists_over(group, views[:1] + [{}] + views[2:], scalars)
 
 
 @pytest.mark.parametrize("name", ["SGD", "NAdam"])

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import swap_optimizer as so
-from conftest import DEVICES, TESTS, cpu_capabilities, requires_cuda
+from conftest import DEVICES, TESTS, requires_cuda
 from optimizer_cases import BY_NAME
 from optimizer_cases import CASES as OPTIMIZER_CASES
 from pairs import assert_same_state, bits, give_grads, run_pair, same_bits
@@ -191,7 +191,7 @@ def test_cut_16_bit_params_on_every_cpu_instruction_set():
     code = (f"import sys; sys.path[:0] = {folders!r}; import torch, test_rules; "
             "print(torch.backends.cpu.get_cpu_capability(), test_rules.cut_16_bit_surprises())")
     seen = {}
-    for capability in cpu_capabilities():
+    for capability in ["default", "avx2", "avx512"]:
         env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
         out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
