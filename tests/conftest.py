@@ -47,7 +47,6 @@ DEVICES = [
 # states, which torch's update does not need): for tests calibrated on its
 # store layout, or that compare the two update paths.
 PACKED_KERNEL = dict(state_dtype=torch.float32)
-
 requires_cuda = pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=str(CUDA_SKIP_REASON))
 
 
