@@ -56,16 +56,19 @@ int64_t first_difference(const Table& table, uint32_t first) {
 }  // namespace
 
 int main() {
+#ifdef SWAP_OPTIMIZER_CODE_LANES
+  // First: the tables' build is compiled for the lanes' ISA too.
+  if (!cpu_has_lanes()) {
+    std::printf("this CPU lacks the instructions of these lanes\n");
+    return 0;
+  }
+#endif
   const CodeMaps& maps = code_maps();
   const CodeSearch& search = code_search();
   const Table tables[] = {{"signed midpoints", maps.signed_map.midpoints, search.signed_midpoints},
                           {"unsigned midpoints", maps.unsigned_map.midpoints, search.unsigned_midpoints},
                           {"unsigned values", maps.unsigned_map.values, search.unsigned_values}};
 #ifdef SWAP_OPTIMIZER_CODE_LANES
-  if (!cpu_has_lanes()) {
-    std::printf("this CPU lacks the instructions of these lanes\n");
-    return 0;
-  }
   for (const Table& table : tables) {
     uint32_t first = 0;
     do {
