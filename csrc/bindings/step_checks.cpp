@@ -76,7 +76,8 @@ py::tuple grads_of(const py::handle& params) {
 
 void bind_step_checks(py::module& module) {
   module.def("tensor_signature", &tensor_signature, py::arg("tensors"),
-             "Each tensor's dtype and shape as bytes (equal while none changed); None where an item is no tensor.");
+             "Each tensor's dtype and shape as bytes (equal while none changed); None where an item is no tensor "
+             "or has no plain sizes (nested, symbolic).");
   module.def("data_pointers", &data_pointers, py::arg("tensors"),
              "Each tensor's data_ptr() as bytes (equal while no tensor's data moved).");
   module.def("grads_of", &grads_of, py::arg("params"),

@@ -224,7 +224,8 @@ def _keep_scalar(scalars: dict, name: str, new: Any) -> bool:
 
 def _signature(params: list) -> Any:
     """The params' dtypes and shapes, in a form equal while none changed
-    (bytes from C++; tuples where a member is not a tensor)."""
+    (bytes from C++; tuples where C++ cannot read one: not a tensor, or
+    nested or symbolic sizes)."""
     signature = _C.tensor_signature(params)
     return signature if signature is not None else tuple((p.dtype, p.shape) for p in params)
 
