@@ -85,14 +85,32 @@ SWAP_HOST_DEVICE inline uint32_t mix32(uint32_t x) {
 
 // The part of an element's rounding bits that all its moments share: its
 // index (both halves: a state may hold more than 2^32 elements) and the step.
+// In two parts, so that a CPU loop hashes the high half and the step once per
+// run of 2^32 indices (index_high_hash) and each element's low half alone.
+SWAP_HOST_DEVICE inline uint32_t index_high_hash(uint64_t index, uint32_t step) {
+  return mix32(static_cast<uint32_t>(index >> 32) ^ mix32(step));
+}
+
+SWAP_HOST_DEVICE inline uint32_t element_hash_from(uint32_t index_low, uint32_t high_hash) {
+  return mix32(index_low ^ high_hash);
+}
+
 SWAP_HOST_DEVICE inline uint32_t element_rounding_hash(int64_t global_index, uint32_t step) {
   const uint64_t index = static_cast<uint64_t>(global_index);
-  return mix32(static_cast<uint32_t>(index) ^ mix32(static_cast<uint32_t>(index >> 32) ^ mix32(step)));
+  return element_hash_from(static_cast<uint32_t>(index), index_high_hash(index, step));
+}
+
+// A row's rounding_key folded to the 32 bits the per-element hash takes.
+SWAP_HOST_DEVICE inline uint32_t folded_key(uint64_t key) { return static_cast<uint32_t>(key ^ (key >> 32)); }
+
+// 32 random bits for one element of the state whose folded key is `key_bits`.
+SWAP_HOST_DEVICE inline uint32_t rounding_bits_folded(uint32_t key_bits, uint32_t element_hash) {
+  return mix32(key_bits ^ element_hash);
 }
 
 // 32 random bits for one element of the state keyed `key` (rounding_key).
 SWAP_HOST_DEVICE inline uint32_t rounding_bits_of(uint64_t key, uint32_t element_hash) {
-  return mix32(static_cast<uint32_t>(key ^ (key >> 32)) ^ element_hash);
+  return rounding_bits_folded(folded_key(key), element_hash);
 }
 
 // 32 random bits for one element at one step.

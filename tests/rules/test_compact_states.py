@@ -19,6 +19,7 @@ import torch
 from torch.testing import assert_close
 
 import swap_optimizer as so
+from swap_optimizer.rules import fused_kernel
 from conftest import DEVICES, requires_cuda
 from test_split_params import adamw, build, snapshot, train
 
@@ -316,8 +317,11 @@ def test_8bit_small_params_keep_plain_states_and_partial_blocks_work():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_stochastic_bf16_moments_match_reference(param_dtype, device):
+@pytest.mark.parametrize("param_dtype, first_index", [(torch.float32, 0), (torch.bfloat16, 0), (torch.float16, 0),
+                                                      # a shard whose elements cross 2^32 in the whole param, in
+                                                      # the middle of a vector iteration (2^32 - 2500 = 12 mod 16)
+                                                      (torch.float32, 2 ** 32 - 2500)])
+def test_stochastic_bf16_moments_match_reference(param_dtype, first_index, device, monkeypatch):
     g = torch.Generator().manual_seed(4)
     shape = (64, 96)
     param = torch.randn(shape, generator=g).to(param_dtype)
@@ -325,13 +329,15 @@ def test_stochastic_bf16_moments_match_reference(param_dtype, device):
     moments = {k: v.bfloat16() for k, v in random_moments(shape, False, g).items()}
     saved = {"step": torch.tensor(6.0), **moments}
     opt_param = param.clone().to(device).requires_grad_()
+    if first_index:  # as FSDP2's shard offsets (distributed._global_offset) give it
+        monkeypatch.setattr(fused_kernel, "_global_offset", lambda p, i: first_index)
     opt = one_step_swap(opt_param, grad.to(device), saved, state_dtype=torch.bfloat16, rounding_seed=1234)
     expected_param, expected = torch_adamw_step(param.float(), grad.float(), moments, step=6)
     assert_close(opt_param.detach().cpu().float(), expected_param.to(param_dtype).float(), **STEP_TOL)
     for moment_index, key in enumerate(("exp_avg", "exp_avg_sq")):
         ours = opt.state[opt_param][key].cpu()
         assert ours.dtype == torch.bfloat16
-        reference = ref_stochastic_bf16(expected[key], 1234, 0, moment_index, 7)
+        reference = ref_stochastic_bf16(expected[key], 1234, 0, moment_index, 7, first_index=first_index)
         assert (ours.view(torch.int16) != reference.view(torch.int16)).float().mean() <= 1e-3
         nearest = expected[key].bfloat16()
         assert (ours != nearest).any(), "stochastic rounding rounds some values away from the nearest"

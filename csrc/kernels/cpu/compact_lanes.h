@@ -120,7 +120,15 @@ __attribute__((flatten)) void update_values(const CompactRow& shared_row, int64_
     if (hyper.amsgrad) load_pair(static_cast<const state_t*>(r.moment[kMomentMaxExpAvgSq]) + i, v_max[0], v_max[1]);
     update_param_lanes<param_t>(r, i, hyper, s, grad_scale, m, v, v_max);
     if (stochastic) {
-      for (int64_t j = 0; j < kStep; ++j) element_hash[j] = element_rounding_hash(r.global_offset + i + j, s.step);
+      const uint64_t first = static_cast<uint64_t>(r.global_offset + i);
+      const uint32_t first_low = static_cast<uint32_t>(first);
+      if (first_low <= UINT32_MAX - (kStep - 1)) {  // the lanes share the index's high half
+        const uint32_t high_hash = index_high_hash(first, s.step);
+        for (int64_t j = 0; j < kStep; ++j)
+          element_hash[j] = element_hash_from(first_low + static_cast<uint32_t>(j), high_hash);
+      } else {
+        for (int64_t j = 0; j < kStep; ++j) element_hash[j] = element_rounding_hash(r.global_offset + i + j, s.step);
+      }
     }
     store_moment_lanes<state_t>(r, kMomentExpAvg, i, m, element_hash);
     store_moment_lanes<state_t>(r, kMomentExpAvgSq, i, v, element_hash);
@@ -262,10 +270,28 @@ __attribute__((flatten)) void codec_encode_floats(const CodecEntry& e, int64_t b
   }
 }
 
-// codec_encode_bf16_element's loop, which the compiler vectorises for the target.
+// codec_encode_bf16_element's bits, in a loop the compiler vectorises for the
+// target: the index's high half and the step are hashed once per run of
+// elements whose global indices share that half, so each element takes two
+// 32-bit finalisers in 32-bit lanes (element_hash_from, rounding_bits_folded).
 void codec_encode_bf16_floats(const CodecEntry& e, int64_t begin, int64_t end) {
-  const CodecEntry entry = e;
-  for (int64_t i = begin; i < end; ++i) codec_encode_bf16_element(entry, i);
+  const float* in = static_cast<const float*>(e.in);
+  uint16_t* out = static_cast<uint16_t*>(e.out);
+  const uint32_t key_bits = folded_key(e.rounding_key);
+  const uint32_t step = e.step;
+  for (int64_t i = begin; i < end;) {
+    const uint64_t first = static_cast<uint64_t>(e.global_offset + i);
+    const uint32_t first_low = static_cast<uint32_t>(first);
+    // the run ends where the low half wraps (2^32 - first_low elements on) or at `end`
+    const int64_t run_end = std::min<int64_t>(end, i + static_cast<int64_t>((uint64_t{1} << 32) - first_low));
+    const uint32_t high_hash = index_high_hash(first, step);
+    const int64_t count = run_end - i;
+    for (int64_t j = 0; j < count; ++j) {
+      const uint32_t element_hash = element_hash_from(first_low + static_cast<uint32_t>(j), high_hash);
+      out[i + j] = bf16_bits_stochastic(in[i + j], rounding_bits_folded(key_bits, element_hash));
+    }
+    i = run_end;
+  }
 }
 
 using ChunkFn = void (*)(const CompactRow&, int64_t, int64_t, const AdamHyper&, const StepScalars&,
