@@ -26,8 +26,8 @@ from ..distributed import (_check_fsdp_8bit, _global_offset, _is_dtensor, _like_
 from ..params import check_distinct, check_overlap_params, check_params, param_versions, written_since
 from ..state_dicts import check_readable, check_state_entry
 from ..step_guards import signals_after_the_step
-from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, EIGHT_BIT, BatchCodec, blocks, compact_of, compacts,
-                             encode_exact, form_for, kahan_applies, kahan_round, kahan_stand_in,
+from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, EIGHT_BIT, BatchCodec, ScratchPool, blocks,
+                             compact_of, compacts, encode_exact, form_for, kahan_applies, kahan_round, kahan_stand_in,
                              scratch_bytes_per_element, store_keys, update_dtype, warn_if_no_16_bit)
 from .declarations import (DECLARATIONS, ELEMENT, SCALAR, WHOLE, Declaration, estimated_temporaries)
 from .functional import FunctionalUpdate, NotReady, class_step, functional_update_for
@@ -486,10 +486,16 @@ class _BatchRule:
 
     def __init__(self) -> None:
         self.step: Optional[_StepContext] = None
+        self.scratch_pool = ScratchPool()  # the CPU's decoded compact states
 
     def __call__(self, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
                  grads: list[Optional[torch.Tensor]], views: list[dict]) -> None:
-        _update_batch(self.step, batch, arena, params, grads, views)
+        pool = self.scratch_pool if arena.device.type == "cpu" and self.scratch_pool.lend() else None
+        try:
+            _update_batch(self.step, batch, arena, params, grads, views, pool)
+        finally:
+            if pool is not None:
+                pool.give_back()
 
 
 def _scalars_before(step: _StepContext, index: int) -> dict:
@@ -515,11 +521,13 @@ def _piece_scalars(step: _StepContext, index: int) -> dict:
 
 
 def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
-                  grads: list[Optional[torch.Tensor]], row_views: list[dict]) -> None:
+                  grads: list[Optional[torch.Tensor]], row_views: list[dict],
+                  scratch_pool: Optional[ScratchPool] = None) -> None:
     """One batch of `step`, by torch's own step: each row (a param, or a piece
     of a cut one) becomes a param of its group with its staged views (the
     runtime's, by store key) as its state; torch's call creates or replaces
-    states at a param's first step, which are then copied into the arena."""
+    states at a param's first step, which are then copied into the arena.
+    Compact states decode into `scratch_pool`'s memory if one is lent."""
     if step.functional is not None and _functional_batch(step, batch, params, grads, row_views):
         return
     groups: dict[int, list[torch.Tensor]] = {}
@@ -550,7 +558,7 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
                     entry[name] = scalars[name]
             for kept in plan.coded:  # decoded below, one call per batch
                 if codec is None:
-                    codec = BatchCodec(arena.device, step.rounding_seed)
+                    codec = BatchCodec(arena.device, step.rounding_seed, scratch_pool)
                 entry[kept.name] = codec.scratch(kept.form, kept.code, views, kept.name, target.shape, target.dtype)
         else:
             entry = {}

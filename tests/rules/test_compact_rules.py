@@ -505,3 +505,42 @@ def test_state_keys_name_states_whose_codes_and_scales_follow():
                                          "\\['momentum_buffer'\\]"):
         so.SwapOptimizer(torch.optim.SGD(make_params("cpu", shapes=[(128, 64)]), lr=0.1, momentum=0.9), min_numel=0,
                          state_dtype=torch.uint8, state_keys=("momentum_buffer_codes",))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.uint8])
+def test_cpu_batches_decode_into_one_kept_scratch_with_the_same_bits(state_dtype, monkeypatch):
+    """On the CPU every batch's decoded states come from one ScratchPool
+    buffer, kept from step to step (no fresh memory, so no page faults per
+    batch), and a step gives the bits of one whose batches allocate their own
+    (the pool found lent). A lent pool is not lent twice."""
+    from swap_optimizer.rules.compact_states import ScratchPool
+
+    def run(pooled: bool):
+        torch.manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(4096)) for _ in range(6)]
+        opt = so.SwapOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True), swap_times=3,
+                               min_numel=0, state_dtype=state_dtype, rounding_seed=5)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        return [p.detach().clone() for p in params], opt
+
+    storages = []
+    take = ScratchPool.take
+    monkeypatch.setattr(ScratchPool, "take", lambda self, *a: storages.append(
+        (scratch := take(self, *a)).untyped_storage().data_ptr()) or scratch)
+    pooled, opt = run(True)
+    # steps 2 and 3 (step 1 decodes nothing), 3 batches of 2 params; the first
+    # batch's second scratch outgrows the buffer made for its first
+    assert len(storages) == 2 * 3 * 2 and len(set(storages[2:])) == 1
+    monkeypatch.setattr(ScratchPool, "lend", lambda self: False)
+    storages.clear()
+    own, _ = run(False)
+    assert not storages
+    assert all(torch.equal(a, b) for a, b in zip(pooled, own))
+    monkeypatch.undo()
+    pool = ScratchPool()
+    assert pool.lend() and not pool.lend()
+    pool.give_back()
+    assert pool.lend()
