@@ -139,9 +139,36 @@ void append_structure(PyObject* module, const StructureKeys& keys, std::vector<i
   }
 }
 
+// A torch function mode's __torch_function__ (bound to the mode by
+// types.MethodType) that only calls the op: (mode, func, types, args=(),
+// kwargs=None). The bench's floor for any read watch (bench/host_overhead.py):
+// torch's dispatch to a mode, with no Python frame of the mode's own.
+PyObject* torch_function_call_through(PyObject* /*self*/, PyObject* const* args, Py_ssize_t count) {
+  if (count < 3 || count > 5) {
+    PyErr_SetString(PyExc_TypeError, "torch_function_call_through(mode, func, types, args=(), kwargs=None)");
+    return nullptr;
+  }
+  PyObject* func = args[1];
+  PyObject* kwargs = count == 5 && args[4] != Py_None ? args[4] : nullptr;
+  if (count < 4) return PyObject_Call(func, py::tuple().ptr(), kwargs);
+  if (!PyTuple_Check(args[3])) {
+    PyErr_SetString(PyExc_TypeError, "torch_function_call_through: args must be a tuple");
+    return nullptr;
+  }
+  return PyObject_Call(func, args[3], kwargs);
+}
+
+PyMethodDef kCallThrough = {
+    "torch_function_call_through",
+    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&torch_function_call_through)), METH_FASTCALL,
+    "(mode, func, types, args=(), kwargs=None) -> func(*args, **kwargs): a torch function mode's __torch_function__ "
+    "in C that only calls the op (bind it with types.MethodType), the floor of any read watch."};
+
 }  // namespace
 
 void bind_overlap_checks(py::module& module) {
+  module.add_object("torch_function_call_through",
+                    py::reinterpret_steal<py::object>(PyCFunction_NewEx(&kCallThrough, nullptr, nullptr)));
   module.def(
       "module_structure",
       [](const py::handle& model) {

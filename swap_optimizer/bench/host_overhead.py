@@ -20,7 +20,10 @@ in the same process, round by round, with the min and median over rounds.
   on as for a step in flight): the model's own forward, its blocks called from
   a script loop, and another model's forward while the pass is pending; and
   the own and another model's forward once the pass retires (its first check
-  finds the step done).
+  finds the step done). Two floor rows run the own and the other model under a
+  torch function mode that only calls each op, its __torch_function__ in C
+  (`_C.torch_function_call_through`), hooks off: what torch's dispatch to any
+  mode costs, before a read watch does anything.
 - compact states: the step of a SwapOptimizer whose states are bf16 or 8-bit
   against the same SwapOptimizer with the default states, over 8 params of
   500k elements at swap_times 8 (one thread: the CPU loops' own speed), for
@@ -32,11 +35,14 @@ from __future__ import annotations
 
 import statistics
 import time
+import types
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from .. import _C
 from ..optimizer import SwapOptimizer
 from ..overlap import hooks_suspended
 from ..presets import PRESETS
@@ -223,6 +229,21 @@ SITUATIONS = {
     "step done, own forward": ("own", True, False),
     "step done, another model": ("other", True, False),
 }
+# floor situation -> what it runs under a CallThroughMode, hooks off, no step pending
+FLOOR_SITUATIONS = {
+    "floor: a mode that only calls each op, own forward": "own",
+    "floor: a mode that only calls each op, another model": "other",
+}
+
+
+class CallThroughMode(TorchFunctionMode):
+    """A torch function mode whose __torch_function__ only calls the op, in C
+    (no Python frame of its own): the cost of any read watch's mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # (torch takes a mode's __torch_function__ only as a method bound to the mode)
+        self.__torch_function__ = types.MethodType(_C.torch_function_call_through, self)
 
 
 def measure_forward(device: torch.device, rounds: int, repeats: int) -> list[dict]:
@@ -262,8 +283,21 @@ def measure_forward(device: torch.device, rounds: int, repeats: int) -> list[dic
 
     for _ in range(2):  # the first step's next forward is the probe's (it makes the wait schedule)
         step(False)
-    samples: dict[str, dict[str, list[float]]] = {name: {"plain": [], "overlap": []} for name in SITUATIONS}
+    samples: dict[str, dict[str, list[float]]] = {name: {"plain": [], "overlap": []}
+                                                  for name in [*SITUATIONS, *FLOOR_SITUATIONS]}
+    mode = CallThroughMode()
     for number in range(rounds + 1):  # round 0 warms up (and runs the probe)
+        for name, kind in FLOOR_SITUATIONS.items():
+            plain, under_mode = [], []
+            for _ in range(repeats):
+                step(False)
+                with hooks_suspended():
+                    plain.append(timed(kind))
+                    with mode:
+                        under_mode.append(timed(kind))
+            if number:
+                samples[name]["plain"].append(statistics.median(plain))
+                samples[name]["overlap"].append(statistics.median(under_mode))
         for name, (kind, pending, keep_watching) in SITUATIONS.items():
             plain, overlap = [], []
             for _ in range(repeats):
@@ -326,7 +360,8 @@ def step_table(rows: list[dict]) -> str:
 
 
 def forward_table(rows: list[dict]) -> str:
-    lines = ["| situation | plain ms | overlap ms | ratio (median / min) | extra us per module call |",
+    lines = ["| situation | plain ms | overlap ms (floor rows: under the mode) | ratio (median / min) | "
+             "extra us per module call |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['situation']} | {r['plain_ms']['median']:.3f} | {r['overlap_ms']['median']:.3f} | "

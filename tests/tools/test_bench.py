@@ -283,7 +283,8 @@ def test_host_overhead_reports_each_path_and_situation(tmp_path, capsys):
         assert row["shapes"] == "1000 x 64" and row["params"] == 1000 and row["batches"] == 16
         assert row["plain_ms"]["min"] <= row["plain_ms"]["median"]
         assert row["ratio"]["median"] > 0 and set(row) >= {"extra_us_per_param", "extra_us_per_batch"}
-    assert [row["situation"] for row in data["forward"]] == list(host_overhead.SITUATIONS)
+    assert [row["situation"] for row in data["forward"]] == [*host_overhead.SITUATIONS,
+                                                             *host_overhead.FLOOR_SITUATIONS]
     assert all(row["plain_ms"]["median"] > 0 and row["ratio"]["median"] > 0 for row in data["forward"])
     assert [row["path"] for row in data["compact"]] == list(host_overhead.COMPACT_PATHS)
     for row in data["compact"]:
@@ -293,3 +294,32 @@ def test_host_overhead_reports_each_path_and_situation(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| 1000 x 64 | SGD momentum foreach | 16 |" in out and "| pending, another model |" in out
     assert "| AdamW (packed kernel) | 65,536 |" in out
+
+
+def test_call_through_mode_calls_each_op_as_it_was_called():
+    """The host-overhead bench's floor mode: each op, with its args and
+    kwargs, gives what it gives without the mode (and its errors), and the
+    mode sees ops (a mode below it is reached through it)."""
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Recorder(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    generator = torch.Generator().manual_seed(5)
+    a, b = torch.randn(4, 3, generator=generator), torch.randn(4, 3, generator=generator)
+    with Recorder(), host_overhead.CallThroughMode():
+        added = torch.add(a, b, alpha=2.5)
+        summed = a.sum(dim=1, keepdim=True)
+        linear = torch.nn.functional.linear(a, b)
+        with pytest.raises(RuntimeError, match="size"):
+            torch.add(a, torch.ones(5))
+    # (the same calls without the mode: bitwise)
+    torch.testing.assert_close(added, torch.add(a, b, alpha=2.5), rtol=0, atol=0)
+    torch.testing.assert_close(summed, a.sum(dim=1, keepdim=True), rtol=0, atol=0)
+    torch.testing.assert_close(linear, torch.nn.functional.linear(a, b), rtol=0, atol=0)
+    assert not torch.equal(added, torch.add(a, b))  # (alpha reached the op)
+    assert {"add", "sum", "linear"} <= set(seen)
