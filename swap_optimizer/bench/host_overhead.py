@@ -13,17 +13,20 @@ in the same process, round by round, with the min and median over rounds.
   (1000 params of 64 elements; GPT-2 124M's 148 tensors shrunk, counts kept):
   ms a step at swap_times 16, the ratio, and the extra time split into
   microseconds per batch (from a second run at swap_times 4) and per param
-  (the rest), from each run's fastest round.
+  (the rest), from each run's fastest round; and a floor: the plain optimizer
+  with a param group per batch, whose step calls torch's update once per
+  batch as any per-batch update must, with no swapping.
 - overlap_forward: a model of tiny ops (24 x LayerNorm, Linear(64), GELU), its
   forward (no grad) with the hooks idle and with a pass pending (the step done,
   so every wait finds its batch ready and only the checks cost, the pass kept
   on as for a step in flight): the model's own forward, its blocks called from
   a script loop, and another model's forward while the pass is pending; and
   the own and another model's forward once the pass retires (its first check
-  finds the step done). Two floor rows run the own and the other model under a
-  torch function mode that only calls each op, its __torch_function__ in C
-  (`_C.torch_function_call_through`), hooks off: what torch's dispatch to any
-  mode costs, before a read watch does anything.
+  finds the step done). Floor rows, overlap's hooks off: the own and the other
+  model under a torch function mode that only calls each op, its
+  __torch_function__ in C (`_C.torch_function_call_through`), and the own
+  forward with global module hooks that do nothing: what torch itself charges
+  any read watch and any module hook, before either does anything.
 - compact states: the step of a SwapOptimizer whose states are bf16 or 8-bit
   against the same SwapOptimizer with the default states, over 8 params of
   500k elements at swap_times 8 (one thread: the CPU loops' own speed), for
@@ -33,6 +36,7 @@ in the same process, round by round, with the min and median over rounds.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import types
@@ -146,17 +150,34 @@ def _rounds(optimizers: dict, rounds: int, steps: int, device: torch.device) -> 
     return times
 
 
+def _groups_per_batch(params: list[nn.Parameter], batches: int) -> list[dict]:
+    """The params in order, cut into `batches` param groups of about equal
+    elements (whole params), as the runtime lays batches out."""
+    total = sum(p.numel() for p in params)
+    groups: list[list[nn.Parameter]] = [[]]
+    elements = 0
+    for p in params:
+        if groups[-1] and elements >= total * len(groups) / batches and len(groups) < batches:
+            groups.append([])
+        groups[-1].append(p)
+        elements += p.numel()
+    return [{"params": group} for group in groups]
+
+
 def measure_step(path: str, shapes: list[tuple[int, ...]], device: torch.device, rounds: int, steps: int) -> dict:
     """One optimizer path over one shape set: the plain optimizer and its
     SwapOptimizer (swap_times 16, every param swapped) on the same params and
-    fixed grads, a round each in turn after a warm-up round."""
+    fixed grads, a round each in turn after a warm-up round. The floor: the
+    plain optimizer with one param group per batch, so that its step calls
+    torch's update once per batch as the SwapOptimizer must, with no swapping."""
     make, settings = OPTIMIZER_PATHS[path]
-    plain_params, swapped_params = _make_params(shapes, device), _make_params(shapes, device)
+    plain_params, swapped_params, floor_params = (_make_params(shapes, device) for _ in range(3))
     generator = torch.Generator().manual_seed(1)
-    for p, q in zip(plain_params, swapped_params):
+    for p, q, f in zip(plain_params, swapped_params, floor_params):
         p.grad = torch.randn(p.shape, generator=generator).to(device)
-        q.grad = p.grad.clone()
+        q.grad, f.grad = p.grad.clone(), p.grad.clone()
     plain = make(plain_params)
+    per_batch_groups = make(_groups_per_batch(floor_params, SWAP_TIMES))
     # (a second SwapOptimizer with fewer batches tells the cost of a batch from that of a param)
     swapped, coarser = (SwapOptimizer(make(ps), swap_times=swap_times, min_numel=0, **settings)
                         for ps, swap_times in ((swapped_params, SWAP_TIMES), (_make_params(shapes, device),
@@ -164,7 +185,8 @@ def measure_step(path: str, shapes: list[tuple[int, ...]], device: torch.device,
     for p, q in zip(swapped_params, coarser.param_groups[0]["params"]):
         q.grad = p.grad.clone()
     times = {name: [seconds * 1e6 for seconds in measured] for name, measured in
-             _rounds({"plain": plain, "swapped": swapped, "coarser": coarser}, rounds, steps, device).items()}
+             _rounds({"plain": plain, "swapped": swapped, "coarser": coarser, "floor": per_batch_groups}, rounds,
+                     steps, device).items()}
     batches, coarser_batches = (o.memory_stats()["batches"] for o in (swapped, coarser))
     # The extra time a step, split into a cost per batch (from the two batch
     # counts) and the rest per param, from each run's fastest round (the one
@@ -175,6 +197,7 @@ def measure_step(path: str, shapes: list[tuple[int, ...]], device: torch.device,
             "plain_ms": _summary([t / 1e3 for t in times["plain"]]),
             "swapped_ms": _summary([t / 1e3 for t in times["swapped"]]),
             "ratio": _summary([b / a for a, b in zip(times["plain"], times["swapped"])]),
+            "floor_ratio": _summary([b / a for a, b in zip(times["plain"], times["floor"])]),
             "extra_us_per_param": (swapped_us - plain_us - batches * per_batch) / len(shapes),
             "extra_us_per_batch": per_batch}
 
@@ -229,11 +252,29 @@ SITUATIONS = {
     "step done, own forward": ("own", True, False),
     "step done, another model": ("other", True, False),
 }
-# floor situation -> what it runs under a CallThroughMode, hooks off, no step pending
+# floor situation -> (what it runs, under what: a CallThroughMode, or a global
+# forward pre-hook and hook that do nothing), overlap's hooks off, no step
+# pending: what torch itself charges any read watch and any module hook.
 FLOOR_SITUATIONS = {
-    "floor: a mode that only calls each op, own forward": "own",
-    "floor: a mode that only calls each op, another model": "other",
+    "floor: a mode that only calls each op, own forward": ("own", "mode"),
+    "floor: a mode that only calls each op, another model": ("other", "mode"),
+    "floor: global module hooks that do nothing, own forward": ("own", "hooks"),
 }
+
+
+@contextlib.contextmanager
+def _floor(under: str):
+    if under == "mode":
+        with CallThroughMode():
+            yield
+        return
+    handles = [nn.modules.module.register_module_forward_pre_hook(lambda module, args: None),
+               nn.modules.module.register_module_forward_hook(lambda module, args, output: None)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class CallThroughMode(TorchFunctionMode):
@@ -285,19 +326,18 @@ def measure_forward(device: torch.device, rounds: int, repeats: int) -> list[dic
         step(False)
     samples: dict[str, dict[str, list[float]]] = {name: {"plain": [], "overlap": []}
                                                   for name in [*SITUATIONS, *FLOOR_SITUATIONS]}
-    mode = CallThroughMode()
     for number in range(rounds + 1):  # round 0 warms up (and runs the probe)
-        for name, kind in FLOOR_SITUATIONS.items():
-            plain, under_mode = [], []
+        for name, (kind, under) in FLOOR_SITUATIONS.items():
+            plain, floor = [], []
             for _ in range(repeats):
                 step(False)
                 with hooks_suspended():
                     plain.append(timed(kind))
-                    with mode:
-                        under_mode.append(timed(kind))
+                    with _floor(under):
+                        floor.append(timed(kind))
             if number:
                 samples[name]["plain"].append(statistics.median(plain))
-                samples[name]["overlap"].append(statistics.median(under_mode))
+                samples[name]["overlap"].append(statistics.median(floor))
         for name, (kind, pending, keep_watching) in SITUATIONS.items():
             plain, overlap = [], []
             for _ in range(repeats):
@@ -350,17 +390,18 @@ def run(device: torch.device, rounds: int, steps: int, paths: list[str], shape_s
 
 def step_table(rows: list[dict]) -> str:
     lines = ["| shapes | optimizer path | batches | plain ms | SwapOptimizer ms | ratio (median / min) | "
-             "extra us per param | extra us per batch |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "floor: a group per batch, no swap (median / min) | extra us per param | extra us per batch |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['shapes']} | {r['path']} | {r['batches']} | {r['plain_ms']['median']:.2f} | "
                      f"{r['swapped_ms']['median']:.2f} | {r['ratio']['median']:.2f} / {r['ratio']['min']:.2f} | "
+                     f"{r['floor_ratio']['median']:.2f} / {r['floor_ratio']['min']:.2f} | "
                      f"{r['extra_us_per_param']:.1f} | {r['extra_us_per_batch']:.1f} |")
     return "\n".join(lines)
 
 
 def forward_table(rows: list[dict]) -> str:
-    lines = ["| situation | plain ms | overlap ms (floor rows: under the mode) | ratio (median / min) | "
+    lines = ["| situation | plain ms | overlap ms (floor rows: under the mode or hooks) | ratio (median / min) | "
              "extra us per module call |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for r in rows:

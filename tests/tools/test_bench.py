@@ -283,6 +283,7 @@ def test_host_overhead_reports_each_path_and_situation(tmp_path, capsys):
         assert row["shapes"] == "1000 x 64" and row["params"] == 1000 and row["batches"] == 16
         assert row["plain_ms"]["min"] <= row["plain_ms"]["median"]
         assert row["ratio"]["median"] > 0 and set(row) >= {"extra_us_per_param", "extra_us_per_batch"}
+        assert row["floor_ratio"]["min"] <= row["floor_ratio"]["median"]
     assert [row["situation"] for row in data["forward"]] == [*host_overhead.SITUATIONS,
                                                              *host_overhead.FLOOR_SITUATIONS]
     assert all(row["plain_ms"]["median"] > 0 and row["ratio"]["median"] > 0 for row in data["forward"])
@@ -323,3 +324,10 @@ def test_call_through_mode_calls_each_op_as_it_was_called():
     torch.testing.assert_close(linear, torch.nn.functional.linear(a, b), rtol=0, atol=0)
     assert not torch.equal(added, torch.add(a, b))  # (alpha reached the op)
     assert {"add", "sum", "linear"} <= set(seen)
+
+
+def test_floor_groups_are_the_params_in_order_one_group_per_batch():
+    params = host_overhead._make_params(host_overhead.gpt2_shrunk_shapes(), torch.device("cpu"))
+    groups = host_overhead._groups_per_batch(params, host_overhead.SWAP_TIMES)
+    assert len(groups) == host_overhead.SWAP_TIMES
+    assert [p for g in groups for p in g["params"]] == params and all(g["params"] for g in groups)
