@@ -150,11 +150,11 @@ PyObject* torch_function_call_through(PyObject* /*self*/, PyObject* const* args,
   }
   PyObject* func = args[1];
   PyObject* kwargs = count == 5 && args[4] != Py_None ? args[4] : nullptr;
-  if (count < 4) return PyObject_Call(func, py::tuple().ptr(), kwargs);
-  if (!PyTuple_Check(args[3])) {
-    PyErr_SetString(PyExc_TypeError, "torch_function_call_through: args must be a tuple");
+  if ((count >= 4 && !PyTuple_Check(args[3])) || (kwargs != nullptr && !PyDict_Check(kwargs))) {
+    PyErr_SetString(PyExc_TypeError, "torch_function_call_through: args must be a tuple and kwargs a dict or None");
     return nullptr;
   }
+  if (count < 4) return PyObject_Call(func, py::tuple().ptr(), kwargs);
   return PyObject_Call(func, args[3], kwargs);
 }
 
@@ -167,8 +167,9 @@ PyMethodDef kCallThrough = {
 }  // namespace
 
 void bind_overlap_checks(py::module& module) {
-  module.add_object("torch_function_call_through",
-                    py::reinterpret_steal<py::object>(PyCFunction_NewEx(&kCallThrough, nullptr, nullptr)));
+  PyObject* call_through = PyCFunction_NewEx(&kCallThrough, nullptr, nullptr);
+  if (call_through == nullptr) throw py::error_already_set();
+  module.add_object("torch_function_call_through", py::reinterpret_steal<py::object>(call_through));
   module.def(
       "module_structure",
       [](const py::handle& model) {

@@ -152,7 +152,9 @@ def _rounds(optimizers: dict, rounds: int, steps: int, device: torch.device) -> 
 
 def _groups_per_batch(params: list[nn.Parameter], batches: int) -> list[dict]:
     """The params in order, cut into `batches` param groups of about equal
-    elements (whole params), as the runtime lays batches out."""
+    elements, whole params: as many groups as the runtime's batches, so that
+    a step makes as many calls of torch's update (the runtime cuts large
+    params across batches; the groups hold them whole)."""
     total = sum(p.numel() for p in params)
     groups: list[list[nn.Parameter]] = [[]]
     elements = 0
@@ -269,7 +271,7 @@ def _floor(under: str):
             yield
         return
     handles = [nn.modules.module.register_module_forward_pre_hook(lambda module, args: None),
-               nn.modules.module.register_module_forward_hook(lambda module, args, output: None)]
+               nn.modules.module.register_module_forward_hook(lambda module, args, output: None, always_call=True)]
     try:
         yield
     finally:
@@ -329,12 +331,13 @@ def measure_forward(device: torch.device, rounds: int, repeats: int) -> list[dic
     for number in range(rounds + 1):  # round 0 warms up (and runs the probe)
         for name, (kind, under) in FLOOR_SITUATIONS.items():
             plain, floor = [], []
-            for _ in range(repeats):
+            for _ in range(repeats):  # each forward right after a step, as in SITUATIONS
                 step(False)
                 with hooks_suspended():
                     plain.append(timed(kind))
-                    with _floor(under):
-                        floor.append(timed(kind))
+                step(False)
+                with hooks_suspended(), _floor(under):
+                    floor.append(timed(kind))
             if number:
                 samples[name]["plain"].append(statistics.median(plain))
                 samples[name]["overlap"].append(statistics.median(floor))

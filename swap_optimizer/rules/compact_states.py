@@ -149,33 +149,53 @@ def blocks(count: int) -> int:
 
 class ScratchPool:
     """Host memory for the decoded states of the CPU backend's batches, kept
-    from batch to batch and step to step: a fresh allocation per batch costs
-    page faults on every step (a seventh of a bf16 SGD step on 4M elements)
-    and the caches. One batch at a time holds it (lend), from its first
+    from batch to batch within a step: a fresh allocation per batch costs
+    page faults on every batch (a seventh of a bf16 SGD step on 4M elements)
+    and cold caches. One batch at a time holds it (lend), from its first
     scratch to the end of its update: the CPU's codec ops are synchronous,
     so its encode has read the scratches when the batch returns. A batch
-    that finds it lent (another thread stepping) allocates its own. CUDA
-    scratches come from torch's caching allocator, which reuses them and
-    holds nothing between steps of its own accord."""
+    that finds it lent (another thread, or a batch inside a batch) allocates
+    its own. A scratch that does not fit is a fresh allocation, and the
+    buffer grows to what that batch took, for the next ones; the step's last
+    batch frees the buffers (unless the arenas are kept), so between steps
+    the pool holds nothing, as the arenas. CUDA scratches come from torch's
+    caching allocator instead."""
 
     def __init__(self) -> None:
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._taken: dict[torch.dtype, int] = {}  # this loan's elements so far, per dtype
         self._lock = threading.Lock()
 
     def lend(self) -> bool:
-        return self._lock.acquire(blocking=False)
+        if not self._lock.acquire(blocking=False):
+            return False
+        self._taken = {}
+        return True
 
-    def give_back(self) -> None:
-        self._lock.release()
+    def give_back(self, free: bool) -> None:
+        """Ends the loan. free: drop the buffers (the step's last batch, or a
+        failed one); else a buffer shorter than what the batch took grows to
+        it (its scratches are no longer read: the batch has returned)."""
+        try:
+            if free:
+                self._buffers.clear()
+            else:
+                for dtype, elements in self._taken.items():
+                    buffer = self._buffers.get(dtype)
+                    if buffer is None or buffer.numel() < elements:
+                        self._buffers[dtype] = torch.empty(elements, dtype=dtype, device="cpu")
+        finally:
+            self._lock.release()
 
-    def take(self, dtype: torch.dtype, numel: int, start: int) -> torch.Tensor:
-        """Elements [start, start + numel) of the pool's buffer for `dtype`;
-        a buffer too short is replaced by a longer one (the views taken from
-        the old one keep it alive until the batch is done)."""
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The next `shape` elements of the buffer for `dtype`, or a fresh
+        CPU tensor where the buffer is too short."""
+        numel, start = shape.numel(), self._taken.get(dtype, 0)
+        self._taken[dtype] = start + numel
         buffer = self._buffers.get(dtype)
         if buffer is None or buffer.numel() < start + numel:
-            buffer = self._buffers[dtype] = torch.empty(start + numel, dtype=dtype)
-        return buffer[start:start + numel]
+            return torch.empty(shape, dtype=dtype, device="cpu")
+        return buffer[start:start + numel].view(shape)
 
 
 class BatchCodec:
@@ -185,7 +205,6 @@ class BatchCodec:
 
     def __init__(self, device: torch.device, seed: Optional[int], pool: Optional[ScratchPool] = None) -> None:
         self.device, self.seed, self.pool = device, seed, pool
-        self._pool_used: dict[torch.dtype, int] = {}
         self._decode_8bit: list[tuple] = []   # (codes, absmax, scratch, map)
         self._decode_bf16: list[tuple] = []   # (stored, scratch)
         self._kept_positive: list[tuple] = []  # (stored, scratch): fp16 scratches of never-0 states
@@ -201,9 +220,7 @@ class BatchCodec:
         if self.pool is None:
             scratch = torch.empty(shape, dtype=param_dtype, device=self.device)
         else:
-            numel, start = shape.numel(), self._pool_used.get(param_dtype, 0)
-            scratch = self.pool.take(param_dtype, numel, start).view(shape)
-            self._pool_used[param_dtype] = start + numel
+            scratch = self.pool.take(torch.Size(shape), param_dtype)
         stored = views[name + CODES] if form == EIGHT_BIT else views[name]
         if form == EIGHT_BIT:
             self._decode_8bit.append((stored, views[name + ABSMAX], scratch, STATE_CODE_FORMS[code][0]))

@@ -484,18 +484,28 @@ class _BatchRule:
     step's context, never the SwapOptimizer: the optimizer holds the runtime,
     so a reference back would keep both alive."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_arenas: bool = False) -> None:
         self.step: Optional[_StepContext] = None
         self.scratch_pool = ScratchPool()  # the CPU's decoded compact states
+        self._keep_pool = keep_arenas  # between steps, as the arenas
+        self._counted: Optional[_StepContext] = None  # the step whose batches _batches_done counts
+        self._batches_done = 0
 
     def __call__(self, batch: int, arena: torch.Tensor, params: list[torch.Tensor],
                  grads: list[Optional[torch.Tensor]], views: list[dict]) -> None:
-        pool = self.scratch_pool if arena.device.type == "cpu" and self.scratch_pool.lend() else None
+        step, pool, failed = self.step, None, True
         try:
-            _update_batch(self.step, batch, arena, params, grads, views, pool)
+            if arena.device.type == "cpu" and self.scratch_pool.lend():
+                pool = self.scratch_pool
+            _update_batch(step, batch, arena, params, grads, views, pool)
+            failed = False
         finally:
-            if pool is not None:
-                pool.give_back()
+            if self._counted is not step:
+                self._counted, self._batches_done = step, 0
+            self._batches_done += 1
+            if pool is not None:  # the step's last batch (or a failed one) frees it
+                pool.give_back(free=not self._keep_pool and
+                               (failed or self._batches_done >= len(step.batch_layout)))
 
 
 def _scalars_before(step: _StepContext, index: int) -> dict:
@@ -616,7 +626,7 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
         if last:  # the param's scalars after the step: in place, as torch keeps them (identity included)
             for name in plan.scalars_out:
                 if name == ROUNDING_STEP:  # a tensor written in place, as torch's step (state shows it)
-                    new = torch.tensor(_rounding_step(step, index, entry), dtype=torch.int64)
+                    new = torch.tensor(_rounding_step(step, index, entry), dtype=torch.int64, device="cpu")
                 else:
                     new = entry[name]
                 if _keep_scalar(step.scalars[index], name, new):
@@ -915,7 +925,7 @@ class TorchUpdateRule:
                                  lambda: self._swap_times_for_budget(opt, locals_, states, swappable, splittable, swap_keys,
                                                                      temporaries),
                                  priority=opt._resident_priority())
-        rule = _BatchRule()
+        rule = _BatchRule(keep_arenas=opt.config.keep_arenas)
         runtime = _C.SwapRuntime(locals_, states, planning.swappable, splittable, rule,
                                  swap_times=planning.swap_times, num_arenas=planning.num_arenas,
                                  pin_memory=opt.config.pin_memory, keep_arenas=opt.config.keep_arenas,
@@ -932,7 +942,7 @@ class TorchUpdateRule:
                 for spec in specs:
                     if spec.kind == SCALAR:
                         # (a plain state dict has no ROUNDING_STEP: 0)
-                        value = entry.get(spec.name, torch.tensor(0, dtype=torch.int64))
+                        value = entry.get(spec.name, torch.tensor(0, dtype=torch.int64, device="cpu"))
                         scalars[i][spec.name] = value.clone() if torch.is_tensor(value) else value
                     elif spec.name == COMPENSATION and spec.name not in entry:  # (a plain state dict)
                         views[i][spec.name].zero_()

@@ -493,7 +493,7 @@ class VouchedForRule(TorchUpdateRule):
             stored.update(outputs)
         codec.encode()
         if any(spec.name == ROUNDING_STEP for spec in layout):
-            stored[ROUNDING_STEP] = torch.tensor(count, dtype=torch.int64)
+            stored[ROUNDING_STEP] = torch.tensor(count, dtype=torch.int64, device="cpu")
         return stored
 
     def _write_entries(self, opt, updated: dict) -> None:

@@ -509,38 +509,58 @@ def test_state_keys_name_states_whose_codes_and_scales_follow():
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.uint8])
 def test_cpu_batches_decode_into_one_kept_scratch_with_the_same_bits(state_dtype, monkeypatch):
-    """On the CPU every batch's decoded states come from one ScratchPool
-    buffer, kept from step to step (no fresh memory, so no page faults per
-    batch), and a step gives the bits of one whose batches allocate their own
-    (the pool found lent). A lent pool is not lent twice."""
+    """On the CPU a step's batches decode their states into one ScratchPool
+    buffer: the first batch's scratches are fresh and the buffer grows to
+    what it took, the later batches' come from the buffer, and the last batch
+    frees it (between steps the pool holds nothing, as the arenas), unless
+    keep_arenas keeps it, the same buffer, from step to step. A step gives
+    the bits of one whose batches allocate their own (the pool found lent),
+    also under another default device. A lent pool is not lent twice."""
     from swap_optimizer.rules.compact_states import ScratchPool
 
-    def run(pooled: bool):
+    taken = []  # per scratch: whether it is a view of the pool's buffer
+    take = ScratchPool.take
+
+    def recording_take(self, shape, dtype):
+        scratch = take(self, shape, dtype)
+        buffer = self._buffers.get(dtype)
+        taken.append(buffer is not None and
+                     scratch.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr())
+        return scratch
+
+    def run(keep_arenas: bool, default_device: str = "cpu"):
         torch.manual_seed(3)
         params = [torch.nn.Parameter(torch.randn(4096)) for _ in range(6)]
         opt = so.SwapOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True), swap_times=3,
-                               min_numel=0, state_dtype=state_dtype, rounding_seed=5)
+                               min_numel=0, state_dtype=state_dtype, rounding_seed=5, keep_arenas=keep_arenas)
+        buffers = []
         for _ in range(3):
             for p in params:
                 p.grad = torch.randn_like(p)
-            opt.step()
-        return [p.detach().clone() for p in params], opt
+            with torch.device(default_device):
+                opt.step()
+            pool = opt._rule._batch_rule.scratch_pool
+            buffers.append(dict(pool._buffers))
+        return [p.detach().clone() for p in params], buffers
 
-    storages = []
-    take = ScratchPool.take
-    monkeypatch.setattr(ScratchPool, "take", lambda self, *a: storages.append(
-        (scratch := take(self, *a)).untyped_storage().data_ptr()) or scratch)
-    pooled, opt = run(True)
-    # steps 2 and 3 (step 1 decodes nothing), 3 batches of 2 params; the first
-    # batch's second scratch outgrows the buffer made for its first
-    assert len(storages) == 2 * 3 * 2 and len(set(storages[2:])) == 1
+    monkeypatch.setattr(ScratchPool, "take", recording_take)
+    pooled, buffers = run(keep_arenas=False)
+    # steps 2 and 3 (step 1 decodes nothing), 3 batches of 2 params each
+    assert taken == [False, False, True, True, True, True] * 2
+    assert buffers == [{}, {}, {}]
+    taken.clear()
+    kept, buffers = run(keep_arenas=True, default_device="meta")
+    assert taken == [False, False] + [True] * 10
+    scratch_dtype = torch.float32
+    assert buffers[1][scratch_dtype] is buffers[2][scratch_dtype]
+    assert buffers[2][scratch_dtype].numel() == 2 * 4096 and buffers[2][scratch_dtype].device.type == "cpu"
     monkeypatch.setattr(ScratchPool, "lend", lambda self: False)
-    storages.clear()
-    own, _ = run(False)
-    assert not storages
-    assert all(torch.equal(a, b) for a, b in zip(pooled, own))
+    taken.clear()
+    own, _ = run(keep_arenas=False)
+    assert not taken
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(pooled, own, kept))
     monkeypatch.undo()
     pool = ScratchPool()
     assert pool.lend() and not pool.lend()
-    pool.give_back()
+    pool.give_back(free=False)
     assert pool.lend()

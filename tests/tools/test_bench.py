@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import swap_optimizer
 from swap_optimizer.bench import host_overhead, runner
 from swap_optimizer.bench.__main__ import main
 from conftest import ROOT
@@ -283,7 +284,7 @@ def test_host_overhead_reports_each_path_and_situation(tmp_path, capsys):
         assert row["shapes"] == "1000 x 64" and row["params"] == 1000 and row["batches"] == 16
         assert row["plain_ms"]["min"] <= row["plain_ms"]["median"]
         assert row["ratio"]["median"] > 0 and set(row) >= {"extra_us_per_param", "extra_us_per_batch"}
-        assert row["floor_ratio"]["min"] <= row["floor_ratio"]["median"]
+        assert 0 < row["floor_ratio"]["min"] <= row["floor_ratio"]["median"] < float("inf")
     assert [row["situation"] for row in data["forward"]] == [*host_overhead.SITUATIONS,
                                                              *host_overhead.FLOOR_SITUATIONS]
     assert all(row["plain_ms"]["median"] > 0 and row["ratio"]["median"] > 0 for row in data["forward"])
@@ -312,7 +313,9 @@ def test_call_through_mode_calls_each_op_as_it_was_called():
 
     generator = torch.Generator().manual_seed(5)
     a, b = torch.randn(4, 3, generator=generator), torch.randn(4, 3, generator=generator)
-    with Recorder(), host_overhead.CallThroughMode():
+    with Recorder(), host_overhead.CallThroughMode() as mode:
+        assert torch.overrides._get_current_function_mode_stack()[-1] is mode
+        assert mode.__torch_function__.__func__ is swap_optimizer._C.torch_function_call_through
         added = torch.add(a, b, alpha=2.5)
         summed = a.sum(dim=1, keepdim=True)
         linear = torch.nn.functional.linear(a, b)
