@@ -9,6 +9,9 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
+#include <thread>
+
 namespace swap_optimizer::runtime {
 
 void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
@@ -16,35 +19,40 @@ void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
   if (device_.is_cpu()) {
     allocate_arenas();  // held until the step is finished (finish_deferred)
     transport_->open_ready(static_cast<int64_t>(order_.size()));
-    if (!update_thread_) {
-      update_thread_ = std::make_unique<WorkerQueue>();
-      update_thread_id_ = update_thread_->thread_id();
-    }
+    if (update_thread_.joinable()) update_thread_.join();  // (the last step's, finished: it has ended)
     // The pipeline runs on the update thread with this thread's thread-local
     // state (grad mode, dispatch keys), below Python's dispatch keys: a
     // Python mode active here must not make the update thread need the GIL,
     // which a waiting caller may hold. Its failure is kept for the next wait.
     // The caller's intra-op thread count too (OpenMP's is per thread).
-    auto job = [this, work = std::shared_ptr<Step>(work), state = at::ThreadLocalState(),
+    auto job = [this, work = std::shared_ptr<Step>(work), state = std::make_optional(at::ThreadLocalState()),
                 threads = at::get_num_threads()]() mutable {
-      const at::ThreadLocalStateGuard guard(state);
-      const c10::impl::ExcludeDispatchKeyGuard no_python(
-          c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
-      if (at::get_num_threads() != threads) at::set_num_threads(threads);
-      try {
-        run_pipeline(*transport_, *work, slot_of_batch_);
-      } catch (...) {
-        work->failure = std::current_exception();
+      update_thread_id_ = std::this_thread::get_id();
+      {
+        const at::ThreadLocalStateGuard guard(*state);
+        const c10::impl::ExcludeDispatchKeyGuard no_python(
+            c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+        if (at::get_num_threads() != threads) at::set_num_threads(threads);
+        try {
+          run_pipeline(*transport_, *work, slot_of_batch_);
+        } catch (...) {
+          work->failure = std::current_exception();
+        }
+        // deferred_ is then the last owner: the step, and any grad it still
+        // holds, is freed on a caller's thread, never here (freeing a tensor
+        // whose Python object outlived its last Python reference takes the GIL,
+        // which a thread waiting for this one may hold).
+        work.reset();
       }
-      // deferred_ is then the last owner: the step, and any grad it still
-      // holds, is freed on a caller's thread, never here (freeing a tensor
-      // whose Python object outlived its last Python reference takes the GIL,
-      // which a thread waiting for this one may hold).
-      work.reset();
+      // The caller's thread-local state (Python modes among it) is let go
+      // before the waiters wake, as the step: one of them joins this thread,
+      // maybe holding the GIL, which letting go of a Python object takes.
+      state.reset();
       transport_->release_ready();  // wakes every waiter, also after a failure
+      update_thread_id_ = std::thread::id();  // (an ended thread's id may be a later thread's)
     };
     try {
-      deferred_ticket_ = update_thread_->submit(std::move(job));
+      update_thread_ = std::thread(std::move(job));
     } catch (...) {
       transport_->release_ready();
       release_arenas();
@@ -92,7 +100,7 @@ void SwapRuntime::release_deferred_through(int64_t position) {
 
 void SwapRuntime::finish_deferred() {
   if (!deferred_) return;
-  if (update_thread_) update_thread_->wait_for(deferred_ticket_);
+  if (update_thread_.joinable()) update_thread_.join();
   if (!deferred_->failure) release_deferred_through(static_cast<int64_t>(order_.size()) - 1);
   const std::shared_ptr<Step> work = std::move(deferred_);
   deferred_.reset();

@@ -189,7 +189,7 @@ void SwapRuntime::set_up() {
 
 SwapRuntime::~SwapRuntime() {
   const c10::DeviceGuard guard(device_);  // a no-op for CPU
-  if (update_thread_) update_thread_->wait_for(update_thread_->submitted());  // a deferred step's failure is dropped
+  if (update_thread_.joinable()) update_thread_.join();  // a deferred step's failure is dropped
   if (transport_) transport_->drain();
 }
 

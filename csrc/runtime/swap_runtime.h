@@ -247,10 +247,14 @@ class SwapRuntime {
   std::vector<int> slot_of_batch_;    // arena slot of each pipeline position
   std::vector<std::vector<int64_t>> last_read_at_;  // per position: the params whose last batch it is
   std::unique_ptr<Transport> transport_;
-  std::unique_ptr<WorkerQueue> update_thread_;  // host backend, deferred steps; made at the first
-  std::atomic<std::thread::id> update_thread_id_{};  // its thread, readable without the lock
-  std::shared_ptr<Step> deferred_;              // the deferred step not yet finished, if any
-  uint64_t deferred_ticket_ = 0;                // its job on update_thread_
+  // Host backend: the thread of the deferred step in flight, one per step, joined when the step is
+  // finished. It ends with its step, and so does the OpenMP team its update's ops made: while more
+  // threads than CPUs live, libgomp cuts every team's spin-wait short, and each parallel op anywhere
+  // in the process then sleeps and wakes its workers (a kept thread made every later forward on a
+  // 2-core machine about 4x slower).
+  std::thread update_thread_;
+  std::atomic<std::thread::id> update_thread_id_{};  // its id while its step runs, readable without the lock
+  std::shared_ptr<Step> deferred_;                   // the deferred step not yet finished, if any
   std::atomic<int64_t> held_grad_bytes_{0};     // grads it still holds (read by memory_stats without the lock)
   bool timeline_ = false;
   bool pinned_ = false;

@@ -12,6 +12,9 @@ tests/overlap/test_overlap_models.py has the model code the hooks were not writt
 """
 
 
+import os
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -639,6 +642,47 @@ def test_staging_counts_until_the_step_is_waited_for():
     assert stats["staging_bytes"] == stats["peak_staging_bytes"] > 0
     optimizer.wait()
     assert optimizer.memory_stats()["staging_bytes"] == 0
+
+
+def _process_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc (Linux)")
+def test_a_deferred_step_leaves_no_thread_behind():
+    """The host backend runs a deferred step on a thread of its own that ends
+    with the step, and the OpenMP team its update's ops made ends with it.
+    Kept (as this backend once kept them), more threads than CPUs made
+    libgomp cut every team's spin-wait short: each parallel op anywhere in
+    the process then slept and woke its workers, and every forward after the
+    first deferred step ran about 4x slower on 2 cores."""
+    torch.manual_seed(0)
+    # weights of 65k elements: the update's elementwise ops run on torch's
+    # intra-op threads (with more than one, a team of the update thread's own)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    x = torch.randn(8, 256)
+    optimizer = so.SwapOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), swap_times=2, min_numel=0,
+                                 model=model, overlap_forward=True)
+
+    def train_step():
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    train_step()  # the probe's step, whole
+    model(x)  # the forward that makes the wait plan
+    optimizer.wait()
+    before = _process_threads()
+    for _ in range(3):
+        train_step()
+        assert optimizer._runtime.has_deferred_step()
+        model(x)  # beside the step
+        optimizer.wait()
+        # (OpenMP's workers leave on their own once their team's thread has ended)
+        deadline = time.monotonic() + 30
+        while _process_threads() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _process_threads() <= before
 
 
 def test_bad_uses_are_refused():
