@@ -17,9 +17,9 @@ namespace swap_optimizer::runtime {
 void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
   const int64_t grad_bytes = work->grad_bytes();  // before the update thread may read the grads
   if (device_.is_cpu()) {
+    if (update_thread_.joinable()) update_thread_.join();  // (the last step's, finished: it has ended)
     allocate_arenas();  // held until the step is finished (finish_deferred)
     transport_->open_ready(static_cast<int64_t>(order_.size()));
-    if (update_thread_.joinable()) update_thread_.join();  // (the last step's, finished: it has ended)
     // The pipeline runs on the update thread with this thread's thread-local
     // state (grad mode, dispatch keys), below Python's dispatch keys: a
     // Python mode active here must not make the update thread need the GIL,
@@ -45,8 +45,10 @@ void SwapRuntime::enqueue_deferred(const std::shared_ptr<Step>& work) {
         work.reset();
       }
       // The caller's thread-local state (Python modes among it) is let go
-      // before the waiters wake, as the step: one of them joins this thread,
-      // maybe holding the GIL, which letting go of a Python object takes.
+      // before the waiters wake, as the step is: one of them joins this
+      // thread, and letting go of a Python object takes the GIL. (Every
+      // caller that may join releases the GIL first; this keeps a later one
+      // that does not from deadlocking.)
       state.reset();
       transport_->release_ready();  // wakes every waiter, also after a failure
       update_thread_id_ = std::thread::id();  // (an ended thread's id may be a later thread's)
@@ -100,6 +102,8 @@ void SwapRuntime::release_deferred_through(int64_t position) {
 
 void SwapRuntime::finish_deferred() {
   if (!deferred_) return;
+  TORCH_CHECK(!on_update_thread(), "SwapRuntime: the update of an overlapped step called an optimizer method that "
+              "needs that step finished (step, synchronize, state edits); it cannot wait for itself");
   if (update_thread_.joinable()) update_thread_.join();
   if (!deferred_->failure) release_deferred_through(static_cast<int64_t>(order_.size()) - 1);
   const std::shared_ptr<Step> work = std::move(deferred_);

@@ -248,10 +248,10 @@ class SwapRuntime {
   std::vector<std::vector<int64_t>> last_read_at_;  // per position: the params whose last batch it is
   std::unique_ptr<Transport> transport_;
   // Host backend: the thread of the deferred step in flight, one per step, joined when the step is
-  // finished. It ends with its step, and so does the OpenMP team its update's ops made: while more
-  // threads than CPUs live, libgomp cuts every team's spin-wait short, and each parallel op anywhere
-  // in the process then sleeps and wakes its workers (a kept thread made every later forward on a
-  // 2-core machine about 4x slower).
+  // finished (or the runtime destroyed). It ends with its step, and so does the OpenMP team its
+  // update's ops made: while more threads than CPUs live, libgomp cuts every team's spin-wait short,
+  // and each parallel op anywhere in the process then sleeps and wakes its workers (a kept thread
+  // made every later forward on a 2-core machine about 4.5x slower).
   std::thread update_thread_;
   std::atomic<std::thread::id> update_thread_id_{};  // its id while its step runs, readable without the lock
   std::shared_ptr<Step> deferred_;                   // the deferred step not yet finished, if any
