@@ -32,7 +32,6 @@ class WorkerQueue {
   bool run_here_if_idle(const std::function<void()>& task);
   uint64_t submitted() const;
   void wait_for(uint64_t ticket);
-  std::thread::id thread_id() const { return worker_.get_id(); }
 
  private:
   void run();
