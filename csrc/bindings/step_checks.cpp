@@ -72,6 +72,109 @@ py::tuple grads_of(const py::handle& params) {
   return py::make_tuple(std::move(grads), first_sparse);
 }
 
+// Whether `object` is a plain tensor or an nn.Parameter, and no tensor
+// subclass: a subclass's detach() or .grad may run Python of its own, which
+// only the Python walk runs as the class's step would see it.
+bool plain_tensor(PyObject* object) {
+  static PyObject* const parameter_class = [] {  // (never freed)
+    py::object module = py::module_::import("torch.nn.parameter");
+    return py::object(module.attr("Parameter")).release().ptr();
+  }();
+  const PyTypeObject* type = Py_TYPE(object);
+  if (type != reinterpret_cast<PyTypeObject*>(THPVariableClass) &&
+      type != reinterpret_cast<PyTypeObject*>(parameter_class)) {
+    return false;
+  }
+  return !THPVariable_Unpack(object).unsafeGetTensorImpl()->is_python_dispatch();
+}
+
+// A batch's rows as torch's step takes them: each param detached (the
+// caller's own param keeps its .grad), or the piece of it a row holds
+// (`pieces`: per row None, or the (offset, count) of its flat elements), its
+// staged grad (or the piece of it) set as .grad, and its state a new dict of
+// its staged views, with its kept scalars where a row has a dict of them.
+// None where a row has no grad or its param or grad is a tensor subclass:
+// the caller's per-row walk decides those.
+py::object staged_rows(const py::handle& params, const py::handle& grads, const py::handle& row_views,
+                       const py::handle& row_scalars, const py::handle& pieces) {
+  static PyObject* const grad_name = PyUnicode_InternFromString("grad");  // (never freed)
+  const py::list param_items = items_of(params), grad_items = items_of(grads), view_items = items_of(row_views),
+                 scalar_items = items_of(row_scalars), piece_items = items_of(pieces);
+  const size_t rows = param_items.size();
+  TORCH_CHECK_VALUE(grad_items.size() == rows && view_items.size() == rows && scalar_items.size() == rows &&
+                        piece_items.size() == rows,
+                    "staged_rows: one grad, one dict of views, one of scalars (or None) and one piece (or None) "
+                    "per param");
+  for (size_t row = 0; row < rows; ++row) {
+    if (!plain_tensor(param_items[row].ptr()) || !plain_tensor(grad_items[row].ptr())) return py::none();
+  }
+  py::list targets(rows);
+  py::dict state;
+  for (size_t row = 0; row < rows; ++row) {
+    at::Tensor param = THPVariable_Unpack(param_items[row].ptr()).detach();
+    at::Tensor grad = THPVariable_Unpack(grad_items[row].ptr());
+    if (!piece_items[row].is_none()) {  // (as Python's param.view(-1)[offset:offset + count])
+      const auto [offset, count] = piece_items[row].cast<std::pair<int64_t, int64_t>>();
+      param = param.view({-1}).slice(0, offset, offset + count);
+      grad = grad.reshape({-1}).slice(0, offset, offset + count);
+    }
+    py::object target = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(param)));
+    py::object target_grad = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(grad)));
+    if (!target || !target_grad || PyObject_SetAttr(target.ptr(), grad_name, target_grad.ptr()) != 0) {
+      throw py::error_already_set();
+    }
+    py::object entry = py::reinterpret_steal<py::object>(PyDict_Copy(view_items[row].ptr()));
+    if (!entry || (!scalar_items[row].is_none() && PyDict_Update(entry.ptr(), scalar_items[row].ptr()) != 0)) {
+      throw py::error_already_set();
+    }
+    state[target] = std::move(entry);
+    targets[row] = std::move(target);
+  }
+  return py::make_tuple(std::move(targets), std::move(state));
+}
+
+// After torch's step over staged_rows' rows: the first row whose state's
+// keys are not its `kept` names (-1: none), and each (row, name) of its
+// `exact` names whose state is no longer its staged view (created or
+// replaced by the step: the caller copies it into the view).
+py::tuple replaced_states(const py::handle& targets, const py::handle& state, const py::handle& row_views,
+                          const py::handle& kept, const py::handle& exact) {
+  const py::list target_items = items_of(targets), view_items = items_of(row_views), kept_items = items_of(kept),
+                 exact_items = items_of(exact);
+  const size_t rows = target_items.size();
+  TORCH_CHECK_VALUE(PyDict_Check(state.ptr()) && view_items.size() == rows && kept_items.size() == rows &&
+                        exact_items.size() == rows,
+                    "replaced_states: the state dict, and one dict of views, one set of kept names and one tuple "
+                    "of exact names per row");
+  py::list replaced;
+  for (size_t row = 0; row < rows; ++row) {
+    PyObject* entry = PyDict_GetItemWithError(state.ptr(), target_items[row].ptr());  // borrowed
+    if (entry == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    PyObject* names = kept_items[row].ptr();
+    bool same_keys = entry != nullptr && PyDict_Check(entry) && PyAnySet_Check(names) &&
+                     PyDict_Size(entry) == PySet_Size(names);
+    PyObject* key = nullptr;
+    PyObject* value = nullptr;
+    for (Py_ssize_t position = 0; same_keys && PyDict_Next(entry, &position, &key, &value);) {
+      const int contained = PySet_Contains(names, key);
+      if (contained < 0) throw py::error_already_set();
+      same_keys = contained == 1;
+    }
+    if (!same_keys) return py::make_tuple(static_cast<int64_t>(row), std::move(replaced));
+    for (const py::handle name : items_of(exact_items[row])) {
+      PyObject* now = PyDict_GetItemWithError(entry, name.ptr());  // borrowed
+      if (now == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        return py::make_tuple(static_cast<int64_t>(row), std::move(replaced));  // (an exact name not kept)
+      }
+      PyObject* view = PyDict_GetItemWithError(view_items[row].ptr(), name.ptr());
+      if (view == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      if (now != view) replaced.append(py::make_tuple(static_cast<int64_t>(row), name));
+    }
+  }
+  return py::make_tuple(static_cast<int64_t>(-1), std::move(replaced));
+}
+
 }  // namespace
 
 void bind_step_checks(py::module& module) {
@@ -82,6 +185,14 @@ void bind_step_checks(py::module& module) {
              "Each tensor's data_ptr() as bytes (equal while no tensor's data moved).");
   module.def("grads_of", &grads_of, py::arg("params"),
              "(each param's .grad as a list, the index of the first sparse grad or -1).");
+  module.def("staged_rows", &staged_rows, py::arg("params"), py::arg("grads"), py::arg("row_views"),
+             py::arg("row_scalars"), py::arg("pieces"),
+             "(each param or piece detached with its grad as .grad, {detached: its views and scalars}) for "
+             "torch's step over a batch; None where a grad is missing or a param or grad is a tensor subclass.");
+  module.def("replaced_states", &replaced_states, py::arg("targets"), py::arg("state"), py::arg("row_views"),
+             py::arg("kept"), py::arg("exact"),
+             "(the first row whose state keys are not its kept names or -1, the (row, name) pairs whose state "
+             "is no longer its staged view).");
 }
 
 }  // namespace swap_optimizer

@@ -446,6 +446,37 @@ def _row_plan(specs: tuple, numel: int) -> _RowPlan:
         scalars_out=scalars, has_rounding_step=ROUNDING_STEP in scalars)
 
 
+class _LeanBatch(NamedTuple):
+    """A batch that _lean_batch_update may run (its rows in one group, none
+    with compact states or Kahan, a split param's pieces with no scalars),
+    per row: what its step reads and must leave, worked out once per layout."""
+    group: int                     # the rows' group
+    pieces: list                   # per row: None (a whole param), or its piece's (offset, count)
+    kept: list                     # per row: its plan's kept names
+    exact: list                    # per row: its plan's exact names
+    scalars_in: list               # per row: whether torch's step reads kept scalars
+    with_scalars_out: list         # the rows that keep scalars after the step
+
+
+def _lean_batch(pieces: list, plans: list[_RowPlan], group_of: list[int]) -> Optional[_LeanBatch]:
+    """A batch's _LeanBatch over its `pieces` (the runtime's (param, offset,
+    count) rows), or None where they span groups, a row's states are compact
+    or under Kahan, or a piece of a split param keeps scalars."""
+    rows = [index for index, _, _ in pieces]
+    if not rows or any(group_of[i] != group_of[rows[0]] for i in rows):
+        return None
+    for index, _, count in pieces:
+        plan = plans[index]
+        if plan.kahan or plan.coded or plan.has_rounding_step or (
+                count != plan.numel and (plan.scalars_in or plan.scalars_out)):
+            return None
+    return _LeanBatch(group=group_of[rows[0]],
+                      pieces=[None if count == plans[i].numel else (offset, count) for i, offset, count in pieces],
+                      kept=[plans[i].kept for i in rows], exact=[plans[i].exact for i in rows],
+                      scalars_in=[bool(plans[i].scalars_in) for i in rows],
+                      with_scalars_out=[row for row, i in enumerate(rows) if plans[i].scalars_out])
+
+
 @dataclass
 class _StepContext:
     """Everything a step's batch updates read, captured at step(): the runtime
@@ -477,6 +508,7 @@ class _StepContext:
     # per batch: the one group of its rows where each is a whole param that has
     # stepped before or keeps nothing (None: not so)
     whole_batch_group: Optional[list[Optional[int]]] = None
+    lean_batches: Optional[list[Optional[_LeanBatch]]] = None  # per batch: see _lean_batch_update
 
 
 class _BatchRule:
@@ -540,6 +572,9 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
     Compact states decode into `scratch_pool`'s memory if one is lent."""
     if step.functional is not None and _functional_batch(step, batch, params, grads, row_views):
         return
+    if step.lean_batches is not None and step.lean_batches[batch] is not None and \
+            _lean_batch_update(step, batch, params, grads, row_views):
+        return
     groups: dict[int, list[torch.Tensor]] = {}
     state: dict[torch.Tensor, dict] = {}
     rows = []
@@ -583,26 +618,13 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
         return
     if codec is not None:
         codec.decode()
-    writes = step.group_writes
-    if writes is not None:  # a vouched-for step may write its groups: each call gets copies, checked after
-        calls = [writes.call_group(g, pieces) for g, pieces in sorted(groups.items())]
-        run_torch_update(step.optimizer, [group for group, _ in calls], state, strict=True)
-        for g, (call_group, start) in zip(sorted(groups), calls):
-            writes.note(g, call_group, start)
-    else:  # torch's own steps leave their groups as they are
-        run_torch_update(step.optimizer, [dict(step.step_groups[g], params=pieces)
-                                          for g, pieces in sorted(groups.items())], state,
-                         grad_scale=step.grad_scale)
+    _run_calls(step, groups, state)
     # (target: what torch's update ran on; rounded_piece: under Kahan, the piece it is rounded into)
     for index, offset, last, target, views, rounded_piece in rows:
         entry = state[target]
         plan = step.row_plans[index]
-        # (a vouched-for param that kept nothing at its first update must keep nothing still;
-        # a declared optimizer's first step makes exactly its layout's states)
         if entry.keys() != plan.kept:
-            _refuse_states(step, index, f"left param {index} with states {sorted(entry)}, but {{source}} "
-                           f"{sorted(plan.kept)}: SwapOptimizer keeps a param's states from its first update on, "
-                           "as torch.optim does. This optimizer cannot be wrapped; keep its state on the device")
+            _refuse_kept(step, index, entry)
         rounding_step = None
         compact_index = 0  # the state's place among the param's compact states (the rounding's key)
         for spec in plan.stored:
@@ -633,6 +655,59 @@ def _update_batch(step: _StepContext, batch: int, arena: torch.Tensor, params: l
                     step.scalars_replaced.add(index)
     if codec is not None:
         codec.encode()
+
+
+def _run_calls(step: _StepContext, groups: dict[int, list[torch.Tensor]], state: dict) -> None:
+    """torch's step over a batch's rows, one call per group (`groups`: group
+    -> its rows, with .grad set; `state`: row -> its states)."""
+    writes = step.group_writes
+    if writes is not None:  # a vouched-for step may write its groups: each call gets copies, checked after
+        calls = [writes.call_group(g, pieces) for g, pieces in sorted(groups.items())]
+        run_torch_update(step.optimizer, [group for group, _ in calls], state, strict=True)
+        for g, (call_group, start) in zip(sorted(groups), calls):
+            writes.note(g, call_group, start)
+    else:  # torch's own steps leave their groups as they are
+        run_torch_update(step.optimizer, [dict(step.step_groups[g], params=pieces)
+                                          for g, pieces in sorted(groups.items())], state,
+                         grad_scale=step.grad_scale)
+
+
+def _refuse_kept(step: _StepContext, index: int, entry: dict) -> None:
+    """Raises: torch's step left param `index` with other states (`entry`)
+    than its layout's. (A vouched-for param that kept nothing at its first
+    update must keep nothing still; a declared optimizer's first step makes
+    exactly its layout's states.)"""
+    _refuse_states(step, index, f"left param {index} with states {sorted(entry)}, but {{source}} "
+                   f"{sorted(step.row_plans[index].kept)}: SwapOptimizer keeps a param's states from its first "
+                   "update on, as torch.optim does. This optimizer cannot be wrapped; keep its state on the device")
+
+
+def _lean_batch_update(step: _StepContext, batch: int, params: list[torch.Tensor],
+                       grads: list[Optional[torch.Tensor]], row_views: list[dict]) -> bool:
+    """One batch of `step` by torch's own step, where _lean_batch says it
+    may: the rows, their grads and states are made and checked in C++ (the
+    per-row walk's Python costs about 3 µs a row). False, with nothing run,
+    where a grad is missing or a param is a tensor subclass: the walk runs it."""
+    rows = step.batch_rows[batch]
+    lean = step.lean_batches[batch]
+    staged = _C.staged_rows(params, grads, row_views, [step.scalars[i] if scalars_in else None
+                                                        for i, scalars_in in zip(rows, lean.scalars_in)],
+                            lean.pieces)
+    if staged is None:
+        return False
+    targets, state = staged
+    _run_calls(step, {lean.group: targets}, state)
+    differs, replaced = _C.replaced_states(targets, state, row_views, lean.kept, lean.exact)
+    if differs >= 0:
+        _refuse_kept(step, rows[differs], state[targets[differs]])
+    for row, name in replaced:  # created or replaced by torch's step: adopted into the store
+        row_views[row][name].copy_(state[targets[row]][name])
+    for row in lean.with_scalars_out:  # (the param's scalars after the step, as in the walk)
+        index, entry = rows[row], state[targets[row]]
+        for name in step.row_plans[index].scalars_out:
+            if _keep_scalar(step.scalars[index], name, entry[name]):
+                step.scalars_replaced.add(index)
+    return True
 
 
 def _functional_batch(step: _StepContext, batch: int, params: list[torch.Tensor],
@@ -998,6 +1073,7 @@ class TorchUpdateRule:
             group_of[rows[0]] if rows and all(group_of[i] == group_of[rows[0]] for i in rows) and
             all(count == self._row_plans[index].numel for index, _, count in batch["pieces"]) else None
             for rows, batch in zip(self._batch_rows, self._batch_layout)]
+        self._lean_batches = [_lean_batch(batch["pieces"], self._row_plans, group_of) for batch in self._batch_layout]
         self._split_params = sorted({index for batch in self._batch_layout for index, _, count in batch["pieces"]
                                      if count != self._row_plans[index].numel})
         opt._param_ids = [id(p) for p in params]
@@ -1236,6 +1312,11 @@ class TorchUpdateRule:
                     grad_scale={name: _fresh(value) for name, value in amp.items()},
                     group_writes=writes, rounding_seed=getattr(self, "_rounding_seed", None),
                     global_offsets=self._global_offsets, batch_rows=self._batch_rows,
+                    # (a row whose param has not stepped yet, and keeps states, goes through the walk)
+                    lean_batches=self._lean_batches if all(self._shown) else [
+                        lean if lean is not None and all(self._shown[i] or not self._row_plans[i].kept
+                                                         for i in rows) else None
+                        for lean, rows in zip(self._lean_batches, self._batch_rows)],
                     whole_batch_group=self._whole_batch_group if all(self._shown) else [
                         group if group is not None and all(self._shown[i] or not self._row_plans[i].kept
                                                            for i in rows) else None

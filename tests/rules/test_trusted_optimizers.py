@@ -107,6 +107,35 @@ def test_learned_states_of_every_kind(device, dtype):
     assert layouts == swapped._rule._layouts_now and all(layouts)
 
 
+class OutOfPlaceLion(Lion):
+    """Lion whose step makes a new moment each update rather than writing the
+    one it has (state["exp_avg"] = ..., as many hand-written optimizers do):
+    each step's new tensor is what the store must keep."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                exp_avg = state.get("exp_avg", torch.zeros_like(p))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_((exp_avg * beta1 + p.grad * (1 - beta1)).sign(), alpha=-group["lr"])
+                state["exp_avg"] = exp_avg * beta2 + p.grad * (1 - beta2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_state_replaced_at_every_update_is_kept(device):
+    """Whole params and split params' pieces (whose batches the rule stages
+    in C++), at several batchings: bitwise the plain optimizer."""
+    for swap_times in (2, 5, 16):
+        stats = vouched_pair(OutOfPlaceLion, device=device, swap_times=swap_times,
+                             trust_elementwise_step=True).swapped.memory_stats()
+        assert stats["split_params"] >= 1 and stats["swapped_state_keys"] == ["exp_avg"]
+
+
 def test_a_group_value_the_step_writes_the_same_from_every_call():
     """timm's Adan keeps a step counter in the param group: every batch call
     writes the same value, which the group then holds, as the plain one."""
