@@ -1,6 +1,8 @@
 #include "step_checks.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <torch/csrc/autograd/python_variable.h>
@@ -70,6 +72,95 @@ py::tuple grads_of(const py::handle& params) {
     grads[index] = std::move(grad);
   }
   return py::make_tuple(std::move(grads), first_sparse);
+}
+
+// What shows an in-place change of a value, appended to `out`: a tensor's
+// identity and version; a list's or tuple's members, a dict's keys and
+// values, a set's members (each by identity, a tensor by identity and
+// version); any other object's identity. A str key is written by value (an
+// equal dict rebuilt around the same values shows no change), any other key
+// by identity (an equal key that is another object shows one: a refusal,
+// never a missed change).
+enum class Shown : int64_t { kObject, kTensor, kSequence, kMapping, kSet };
+
+void append_word(std::string* out, int64_t word) { out->append(reinterpret_cast<const char*>(&word), sizeof(word)); }
+
+void append_member(std::string* out, PyObject* member) {
+  if (THPVariable_Check(member)) {
+    append_word(out, static_cast<int64_t>(Shown::kTensor));
+    append_word(out, reinterpret_cast<int64_t>(member));
+    append_word(out, static_cast<int64_t>(THPVariable_Unpack(member)._version()));
+  } else {
+    append_word(out, static_cast<int64_t>(Shown::kObject));
+    append_word(out, reinterpret_cast<int64_t>(member));
+  }
+}
+
+void append_fingerprint(std::string* out, PyObject* value) {
+  if (THPVariable_Check(value)) {
+    append_member(out, value);
+  } else if (PyList_Check(value) || PyTuple_Check(value)) {
+    const py::list members = items_of(value);  // (held: a list may change while it is read)
+    append_word(out, static_cast<int64_t>(Shown::kSequence));
+    append_word(out, static_cast<int64_t>(members.size()));
+    for (const py::handle member : members) append_member(out, member.ptr());
+  } else if (PyDict_Check(value)) {
+    const py::list items = py::reinterpret_steal<py::list>(PyDict_Items(value));
+    if (!items) throw py::error_already_set();
+    append_word(out, static_cast<int64_t>(Shown::kMapping));
+    append_word(out, static_cast<int64_t>(items.size()));
+    for (const py::handle item : items) {
+      PyObject* key = PyTuple_GET_ITEM(item.ptr(), 0);
+      if (PyUnicode_Check(key)) {
+        Py_ssize_t size = 0;
+        const char* text = PyUnicode_AsUTF8AndSize(key, &size);
+        if (text == nullptr) throw py::error_already_set();
+        append_word(out, static_cast<int64_t>(size));
+        out->append(text, size);
+      } else {
+        append_word(out, -1);
+        append_word(out, reinterpret_cast<int64_t>(key));
+      }
+      append_member(out, PyTuple_GET_ITEM(item.ptr(), 1));
+    }
+  } else if (PySet_Check(value)) {
+    const py::list members = items_of(value);
+    std::vector<int64_t> identities;
+    for (const py::handle member : members) identities.push_back(reinterpret_cast<int64_t>(member.ptr()));
+    std::sort(identities.begin(), identities.end());  // (a set has no order)
+    append_word(out, static_cast<int64_t>(Shown::kSet));
+    append_word(out, static_cast<int64_t>(identities.size()));
+    for (const int64_t identity : identities) append_word(out, identity);
+  } else {
+    append_word(out, static_cast<int64_t>(Shown::kObject));
+    append_word(out, reinterpret_cast<int64_t>(value));
+  }
+}
+
+py::bytes fingerprint(const py::handle& value) {
+  std::string out;
+  append_fingerprint(&out, value.ptr());
+  return py::bytes(out);
+}
+
+// {key: fingerprint(value)} over a dict's items, but those under `excluded`
+// (a container of keys).
+py::dict fingerprints(const py::handle& mapping, const py::handle& excluded) {
+  TORCH_CHECK_TYPE(PyDict_Check(mapping.ptr()), "fingerprints: expected a dict, got ", Py_TYPE(mapping.ptr())->tp_name);
+  const py::list items = py::reinterpret_steal<py::list>(PyDict_Items(mapping.ptr()));
+  if (!items) throw py::error_already_set();
+  py::dict shown;
+  std::string out;
+  for (const py::handle item : items) {
+    PyObject* key = PyTuple_GET_ITEM(item.ptr(), 0);
+    const int skipped = PySequence_Contains(excluded.ptr(), key);
+    if (skipped < 0) throw py::error_already_set();
+    if (skipped) continue;
+    out.clear();
+    append_fingerprint(&out, PyTuple_GET_ITEM(item.ptr(), 1));
+    shown[key] = py::bytes(out);
+  }
+  return shown;
 }
 
 // Whether `object` is a plain tensor or an nn.Parameter, and no tensor
@@ -185,6 +276,11 @@ void bind_step_checks(py::module& module) {
              "Each tensor's data_ptr() as bytes (equal while no tensor's data moved).");
   module.def("grads_of", &grads_of, py::arg("params"),
              "(each param's .grad as a list, the index of the first sparse grad or -1).");
+  module.def("fingerprint", &fingerprint, py::arg("value"),
+             "What shows an in-place change of a value, as bytes: a tensor's identity and version, a container's "
+             "members (by identity, tensors by version), any other object's identity.");
+  module.def("fingerprints", &fingerprints, py::arg("mapping"), py::arg("excluded"),
+             "{key: fingerprint(value)} over a dict's items, but those whose key is in `excluded`.");
   module.def("staged_rows", &staged_rows, py::arg("params"), py::arg("grads"), py::arg("row_views"),
              py::arg("row_scalars"), py::arg("pieces"),
              "(each param or piece detached with its grad as .grad, {detached: its views and scalars}) for "

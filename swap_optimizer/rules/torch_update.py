@@ -40,18 +40,12 @@ def _torch_step(optimizer: torch.optim.Optimizer):
     return class_step(type(optimizer))
 
 
-def _fingerprint(value) -> tuple:
+def _fingerprint(value) -> bytes:
     """What shows an in-place change of an attribute: a tensor's version, a
-    container's members (by identity, tensors by version)."""
-    if torch.is_tensor(value):
-        return ("tensor", id(value), value._version)
-    if isinstance(value, (list, tuple)):
-        return ("sequence", tuple(_fingerprint(v) if torch.is_tensor(v) else id(v) for v in value))
-    if isinstance(value, dict):
-        return ("mapping", tuple((k, _fingerprint(v) if torch.is_tensor(v) else id(v)) for k, v in value.items()))
-    if isinstance(value, set):
-        return ("set", frozenset(id(v) for v in value))
-    return ("object", id(value))
+    container's members (by identity, tensors by version). In C++: a
+    vouched-for step's strict check takes these for the optimizer's
+    attributes around every call (_C.fingerprints)."""
+    return _C.fingerprint(value)
 
 
 # An optimizer's hook registries (register_step_pre_hook and the like): other
@@ -84,8 +78,7 @@ def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state
     naming it."""
     stand_in = object.__new__(type(optimizer))
     stand_in.__dict__.update(optimizer.__dict__, param_groups=groups, state=state, **(grad_scale or {}))
-    before = {key: _fingerprint(value) for key, value in optimizer.__dict__.items()
-              if key not in _NOT_CHECKED} if strict else None
+    before = _C.fingerprints(optimizer.__dict__, _NOT_CHECKED) if strict else None
     try:
         _torch_step(optimizer)(stand_in)
     except Exception as error:
@@ -100,17 +93,17 @@ def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state
             "set outside step(), a state under another key, the other params) cannot be wrapped, whatever "
             "trust_per_param_step says: keep its state on the device") from error
     if strict:
-        changed = sorted(key for key, value in optimizer.__dict__.items()
-                         if key not in _NOT_CHECKED and _fingerprint(value) != before.get(key))
+        after = _C.fingerprints(optimizer.__dict__, _NOT_CHECKED)
+        changed = sorted(key for key, value in after.items() if value != before.get(key)) if after != before else ()
         if changed:
             raise RuntimeError(f"SwapOptimizer: {type(optimizer).__name__}'s step changed the optimizer's "
                                f"attribute(s) {changed} in place, outside its params' states and param groups; "
                                "SwapOptimizer runs the step batch by batch and cannot keep such a value. This "
                                "optimizer cannot be wrapped; keep its state on the device (the attribute has "
                                "been changed)")
-        params = {id(p) for group in groups for p in group["params"]}
-        foreign = foreign_state_keys(state, params)
-        if foreign:
+        params = set(map(id, chain.from_iterable(group["params"] for group in groups)))
+        if not params.issuperset(map(id, state)):  # (the keys named only then: a walk per key)
+            foreign = foreign_state_keys(state, params)
             raise RuntimeError(f"SwapOptimizer: {type(optimizer).__name__}'s step keeps state under {foreign}, keys "
                                "that are not params (a step counter shared by all params, say); SwapOptimizer runs "
                                "the step batch by batch and cannot keep such a value. This optimizer cannot be "
@@ -357,6 +350,16 @@ def row_bytes(kind: str, unit: int, count: int, whole: bool) -> int:
     return unit if kind == "whole" and whole else 0
 
 
+_ATOMS = (int, float, complex, bool, str, bytes, type(None))
+
+
+def _immutable(value: Any) -> bool:
+    """Whether no in-place write can change `value`: a number, a string,
+    None, or a plain tuple or frozenset of those (say, Adam's betas)."""
+    return type(value) in _ATOMS or (type(value) in (tuple, frozenset) and all(type(item) in _ATOMS
+                                                                               for item in value))
+
+
 def _fresh(value: Any) -> Any:
     """A copy of a group value's tensors and containers (lists, tuples, dicts,
     sets, as deep as they go; tensor betas, say): what a step's batches read
@@ -367,6 +370,8 @@ def _fresh(value: Any) -> Any:
     if torch.is_tensor(value):
         with torch.no_grad():
             return value.clone()
+    if _immutable(value):  # (shared, as a copy of it would be equal forever)
+        return value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
         return type(value)(*(_fresh(item) for item in value))
     if isinstance(value, (list, tuple, set)):

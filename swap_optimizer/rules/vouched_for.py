@@ -17,8 +17,8 @@ from ..distributed import _global_offset, _is_dtensor, _like_param, _local
 from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, BatchCodec, blocks, compacts, form_for, kahan_applies,
                              kahan_round, kahan_stand_in, update_dtype)
 from .declarations import ELEMENT, SCALAR, WHOLE, Declaration
-from .torch_update import (TorchUpdateRule, _copied, _fingerprint, _fresh, _keep_scalar, _Kept, _state_name,
-                           _store_keys, run_torch_update)
+from .torch_update import (TorchUpdateRule, _copied, _fingerprint, _fresh, _immutable, _keep_scalar, _Kept,
+                           _state_name, _store_keys, run_torch_update)
 
 
 
@@ -156,7 +156,7 @@ class _GroupWrites:
             # place: compared by value with the group's (the runtime's calls run
             # in inference mode, where a copy's version counter says nothing).
             if key not in start or value is not start[key] or (
-                    (torch.is_tensor(value) or isinstance(value, (list, tuple, dict, set)))
+                    (torch.is_tensor(value) or isinstance(value, (list, tuple, dict, set))) and not _immutable(value)
                     and not _same_value(value, self.step_groups[g][key])):
                 written[key] = value
         removed = sorted(set(start) - set(call_group))

@@ -47,3 +47,55 @@ def test_grads_of_reads_each_grad_and_finds_the_first_sparse_one():
     assert sparse == 2
     params[2].grad = None
     assert _C.grads_of(params)[1] == -1
+
+
+def test_fingerprint_shows_each_in_place_change_and_nothing_else():
+    """What a vouched-for step's strict check compares around each call: a
+    tensor written in place, a member replaced, added or removed, shows;
+    equal values rebuilt around the same members do not."""
+    tensor, number = torch.randn(3), object()
+
+    def value():
+        return {"lr": tensor, "betas": [tensor, number], "names": {number, tensor}, "other": number}
+
+    held = value()
+    before = {key: _C.fingerprint(v) for key, v in held.items()}
+    assert {key: _C.fingerprint(v) for key, v in value().items()} == before  # rebuilt, the same members
+    assert _C.fingerprint({number, tensor}) == _C.fingerprint({tensor, number})
+    assert _C.fingerprint(held) == _C.fingerprint(dict(held))
+    assert _C.fingerprints(held, ("lr", "names")) == {"betas": before["betas"], "other": before["other"]}
+    changes = [lambda v: v["lr"].add_(1),            # a tensor written in place (its version)
+               lambda v: v["betas"].append(1),
+               lambda v: v["betas"].__setitem__(1, object()),
+               lambda v: v["names"].add(2),
+               lambda v: v.__setitem__("other", object())]
+    for change in changes:  # (a dict's values are shown by identity: its attributes' are taken one by one)
+        held = value()
+        snapshot = _C.fingerprints(held, ())
+        change(held)
+        assert _C.fingerprints(held, ()) != snapshot
+    renamed = value()
+    renamed["extra"] = renamed.pop("other")
+    assert _C.fingerprint(renamed) != _C.fingerprint(value())
+
+
+def test_staged_rows_hand_the_step_detached_rows_and_fall_back_on_subclasses():
+    params, generator = _params(), torch.Generator().manual_seed(1)
+    grads = [torch.randn(p.shape, generator=generator) for p in params]
+    views = [{"exp_avg": torch.zeros(p.shape)} for p in params]
+    targets, state = _C.staged_rows(params, grads, views, [None, {"step": 3}, None], [None, (1, 3), None])
+    assert all(p.grad is None for p in params)  # the caller's params keep theirs
+    assert targets[0].grad is grads[0] and not isinstance(targets[0], torch.nn.Parameter)
+    assert targets[0].data_ptr() == params[0].data_ptr()
+    assert torch.equal(targets[1], params[1].view(-1)[1:4]) and torch.equal(targets[1].grad, grads[1].view(-1)[1:4])
+    assert state[targets[1]] == {"exp_avg": views[1]["exp_avg"], "step": 3} and state[targets[0]] is not views[0]
+    state[targets[2]]["exp_avg"] = torch.ones(2, 1, 2)
+    kept = [frozenset({"exp_avg"}), frozenset({"exp_avg", "step"}), frozenset({"exp_avg"})]
+    assert _C.replaced_states(targets, state, views, kept, [("exp_avg",)] * 3) == (-1, [(2, "exp_avg")])
+    assert _C.replaced_states(targets, state, views, [frozenset({"exp_avg", "step"})] * 3, [("exp_avg",)] * 3)[0] == 0
+
+    class Subclass(torch.Tensor):
+        pass
+
+    assert _C.staged_rows([params[0].detach().as_subclass(Subclass)], grads[:1], views[:1], [None], [None]) is None
+    assert _C.staged_rows(params[:1], [None], views[:1], [None], [None]) is None
