@@ -111,10 +111,10 @@ void append_fingerprint(std::string* out, PyObject* value) {
     append_word(out, static_cast<int64_t>(items.size()));
     for (const py::handle item : items) {
       PyObject* key = PyTuple_GET_ITEM(item.ptr(), 0);
-      if (PyUnicode_Check(key)) {
-        Py_ssize_t size = 0;
-        const char* text = PyUnicode_AsUTF8AndSize(key, &size);
-        if (text == nullptr) throw py::error_already_set();
+      Py_ssize_t size = 0;
+      const char* text = PyUnicode_Check(key) ? PyUnicode_AsUTF8AndSize(key, &size) : nullptr;
+      if (text == nullptr && PyUnicode_Check(key)) PyErr_Clear();  // (a lone surrogate: by identity, as below)
+      if (text != nullptr) {
         append_word(out, static_cast<int64_t>(size));
         out->append(text, size);
       } else {
@@ -239,8 +239,11 @@ py::tuple replaced_states(const py::handle& targets, const py::handle& state, co
                     "of exact names per row");
   py::list replaced;
   for (size_t row = 0; row < rows; ++row) {
-    PyObject* entry = PyDict_GetItemWithError(state.ptr(), target_items[row].ptr());  // borrowed
-    if (entry == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    // (held: a key's __eq__ or an allocation may run Python that drops it from the dict)
+    const py::object held_entry = py::reinterpret_borrow<py::object>(
+        PyDict_GetItemWithError(state.ptr(), target_items[row].ptr()));
+    if (!held_entry && PyErr_Occurred()) throw py::error_already_set();
+    PyObject* entry = held_entry.ptr();
     PyObject* names = kept_items[row].ptr();
     bool same_keys = entry != nullptr && PyDict_Check(entry) && PyAnySet_Check(names) &&
                      PyDict_Size(entry) == PySet_Size(names);

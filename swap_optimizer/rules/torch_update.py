@@ -692,7 +692,10 @@ def _lean_batch_update(step: _StepContext, batch: int, params: list[torch.Tensor
     """One batch of `step` by torch's own step, where _lean_batch says it
     may: the rows, their grads and states are made and checked in C++ (the
     per-row walk's Python costs about 3 µs a row). False, with nothing run,
-    where a grad is missing or a param is a tensor subclass: the walk runs it."""
+    where a grad is missing or a param is a tensor subclass: the walk runs it.
+    A row whose states are not its layout's refuses the batch before any row
+    is adopted (the walk adopted the rows before it; the batch fails either
+    way, its params torn)."""
     rows = step.batch_rows[batch]
     lean = step.lean_batches[batch]
     staged = _C.staged_rows(params, grads, row_views, [step.scalars[i] if scalars_in else None
@@ -706,7 +709,10 @@ def _lean_batch_update(step: _StepContext, batch: int, params: list[torch.Tensor
     if differs >= 0:
         _refuse_kept(step, rows[differs], state[targets[differs]])
     for row, name in replaced:  # created or replaced by torch's step: adopted into the store
-        row_views[row][name].copy_(state[targets[row]][name])
+        value = state[targets[row]][name]
+        if value is None:
+            _refuse_states(step, rows[row], f"kept no '{name}' for param {rows[row]}, which {{source}}")
+        row_views[row][name].copy_(value)
     for row in lean.with_scalars_out:  # (the param's scalars after the step, as in the walk)
         index, entry = rows[row], state[targets[row]]
         for name in step.row_plans[index].scalars_out:

@@ -127,13 +127,21 @@ class OutOfPlaceLion(Lion):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_state_replaced_at_every_update_is_kept(device):
+def test_a_state_replaced_at_every_update_is_kept(device, monkeypatch):
     """Whole params and split params' pieces (whose batches the rule stages
-    in C++), at several batchings: bitwise the plain optimizer."""
+    in C++, _C.staged_rows), at several batchings: bitwise the plain optimizer."""
+    staged = []
+    stage = so._C.staged_rows
+    monkeypatch.setattr(so._C, "staged_rows", lambda *args: staged.append(stage(*args)) or staged[-1])
     for swap_times in (2, 5, 16):
+        staged.clear()
         stats = vouched_pair(OutOfPlaceLion, device=device, swap_times=swap_times,
                              trust_elementwise_step=True).swapped.memory_stats()
         assert stats["split_params"] >= 1 and stats["swapped_state_keys"] == ["exp_avg"]
+        # every batch of every step; at the first, whose params are updated whole to learn their
+        # states, the store's batches have no grads (None: nothing to stage)
+        batches = stats["batches"]
+        assert len(staged) == 6 * batches and staged[:batches] == [None] * batches and None not in staged[batches:]
 
 
 def test_a_group_value_the_step_writes_the_same_from_every_call():
@@ -556,8 +564,19 @@ class MomentumAfterWarmup(torch.optim.Optimizer):
                     p.add_(p.grad.sign(), alpha=-group["lr"])
 
 
+class MomentDroppedAtTheThirdUpdate(StateAtUpdate):
+    """Sets its moment to None at a param's third update."""
+
+    at, key = 3, "exp_avg"
+
+    @staticmethod
+    def new_state(p):
+        return None
+
+
 @pytest.mark.parametrize("make, steps, message", [
     (StateAtTheThirdUpdate, 2, "left param 0 with states \\['exp_avg', 'late', 'updates'\\]"),
+    (MomentDroppedAtTheThirdUpdate, 2, "kept no 'exp_avg' for param 0, which it kept at its first update"),
     # learned as stateless at its first update, a param that later gets a
     # state cannot keep it: never a state silently thrown away
     (MomentumAfterWarmup, 3, "left param 0 with states \\['buf'\\], but it kept at its first update"),
