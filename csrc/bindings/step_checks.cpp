@@ -85,25 +85,33 @@ enum class Shown : int64_t { kObject, kTensor, kSequence, kMapping, kSet };
 
 void append_word(std::string* out, int64_t word) { out->append(reinterpret_cast<const char*>(&word), sizeof(word)); }
 
-void append_member(std::string* out, PyObject* member) {
+// Writes `object`'s identity; where `held` is a list, appends the object to it
+// too (a caller that keeps `held` while it compares keeps every identity it
+// was shown from being reused by another object).
+void append_identity(std::string* out, PyObject* held, PyObject* object) {
+  append_word(out, reinterpret_cast<int64_t>(object));
+  if (held != nullptr && PyList_Append(held, object) != 0) throw py::error_already_set();
+}
+
+void append_member(std::string* out, PyObject* held, PyObject* member) {
   if (THPVariable_Check(member)) {
     append_word(out, static_cast<int64_t>(Shown::kTensor));
-    append_word(out, reinterpret_cast<int64_t>(member));
+    append_identity(out, held, member);
     append_word(out, static_cast<int64_t>(THPVariable_Unpack(member)._version()));
   } else {
     append_word(out, static_cast<int64_t>(Shown::kObject));
-    append_word(out, reinterpret_cast<int64_t>(member));
+    append_identity(out, held, member);
   }
 }
 
-void append_fingerprint(std::string* out, PyObject* value) {
+void append_fingerprint(std::string* out, PyObject* held, PyObject* value) {
   if (THPVariable_Check(value)) {
-    append_member(out, value);
+    append_member(out, held, value);
   } else if (PyList_Check(value) || PyTuple_Check(value)) {
     const py::list members = items_of(value);  // (held: a list may change while it is read)
     append_word(out, static_cast<int64_t>(Shown::kSequence));
     append_word(out, static_cast<int64_t>(members.size()));
-    for (const py::handle member : members) append_member(out, member.ptr());
+    for (const py::handle member : members) append_member(out, held, member.ptr());
   } else if (PyDict_Check(value)) {
     const py::list items = py::reinterpret_steal<py::list>(PyDict_Items(value));
     if (!items) throw py::error_already_set();
@@ -119,36 +127,44 @@ void append_fingerprint(std::string* out, PyObject* value) {
         out->append(text, size);
       } else {
         append_word(out, -1);
-        append_word(out, reinterpret_cast<int64_t>(key));
+        append_identity(out, held, key);
       }
-      append_member(out, PyTuple_GET_ITEM(item.ptr(), 1));
+      append_member(out, held, PyTuple_GET_ITEM(item.ptr(), 1));
     }
   } else if (PySet_Check(value)) {
     const py::list members = items_of(value);
-    std::vector<int64_t> identities;
-    for (const py::handle member : members) identities.push_back(reinterpret_cast<int64_t>(member.ptr()));
-    std::sort(identities.begin(), identities.end());  // (a set has no order)
+    std::vector<PyObject*> identities;
+    for (const py::handle member : members) identities.push_back(member.ptr());
+    std::sort(identities.begin(), identities.end(), std::less<PyObject*>());  // (a set has no order)
     append_word(out, static_cast<int64_t>(Shown::kSet));
     append_word(out, static_cast<int64_t>(identities.size()));
-    for (const int64_t identity : identities) append_word(out, identity);
+    for (PyObject* identity : identities) append_identity(out, held, identity);
   } else {
     append_word(out, static_cast<int64_t>(Shown::kObject));
-    append_word(out, reinterpret_cast<int64_t>(value));
+    append_identity(out, held, value);
   }
 }
 
-py::bytes fingerprint(const py::handle& value) {
+// `held`: None, or a list that gets every object a fingerprint names by identity.
+PyObject* held_list(const py::handle& held) {
+  if (held.is_none()) return nullptr;
+  TORCH_CHECK_TYPE(PyList_Check(held.ptr()), "fingerprint: held must be a list or None, got ", Py_TYPE(held.ptr())->tp_name);
+  return held.ptr();
+}
+
+py::bytes fingerprint(const py::handle& value, const py::handle& held) {
   std::string out;
-  append_fingerprint(&out, value.ptr());
+  append_fingerprint(&out, held_list(held), value.ptr());
   return py::bytes(out);
 }
 
 // {key: fingerprint(value)} over a dict's items, but those under `excluded`
 // (a container of keys).
-py::dict fingerprints(const py::handle& mapping, const py::handle& excluded) {
+py::dict fingerprints(const py::handle& mapping, const py::handle& excluded, const py::handle& held) {
   TORCH_CHECK_TYPE(PyDict_Check(mapping.ptr()), "fingerprints: expected a dict, got ", Py_TYPE(mapping.ptr())->tp_name);
   const py::list items = py::reinterpret_steal<py::list>(PyDict_Items(mapping.ptr()));
   if (!items) throw py::error_already_set();
+  PyObject* const held_objects = held_list(held);
   py::dict shown;
   std::string out;
   for (const py::handle item : items) {
@@ -157,7 +173,7 @@ py::dict fingerprints(const py::handle& mapping, const py::handle& excluded) {
     if (skipped < 0) throw py::error_already_set();
     if (skipped) continue;
     out.clear();
-    append_fingerprint(&out, PyTuple_GET_ITEM(item.ptr(), 1));
+    append_fingerprint(&out, held_objects, PyTuple_GET_ITEM(item.ptr(), 1));
     shown[key] = py::bytes(out);
   }
   return shown;
@@ -279,11 +295,13 @@ void bind_step_checks(py::module& module) {
              "Each tensor's data_ptr() as bytes (equal while no tensor's data moved).");
   module.def("grads_of", &grads_of, py::arg("params"),
              "(each param's .grad as a list, the index of the first sparse grad or -1).");
-  module.def("fingerprint", &fingerprint, py::arg("value"),
+  module.def("fingerprint", &fingerprint, py::arg("value"), py::arg("held") = py::none(),
              "What shows an in-place change of a value, as bytes: a tensor's identity and version, a container's "
-             "members (by identity, tensors by version), any other object's identity.");
-  module.def("fingerprints", &fingerprints, py::arg("mapping"), py::arg("excluded"),
-             "{key: fingerprint(value)} over a dict's items, but those whose key is in `excluded`.");
+             "members (by identity, tensors by version), any other object's identity. held: a list that gets each "
+             "object named by identity (keep it while comparing: no identity shown is reused meanwhile).");
+  module.def("fingerprints", &fingerprints, py::arg("mapping"), py::arg("excluded"), py::arg("held") = py::none(),
+             "{key: fingerprint(value)} over a dict's items, but those whose key is in `excluded`; held as "
+             "fingerprint's.");
   module.def("staged_rows", &staged_rows, py::arg("params"), py::arg("grads"), py::arg("row_views"),
              py::arg("row_scalars"), py::arg("pieces"),
              "(each param or piece detached with its grad as .grad, {detached: its views and scalars}) for "

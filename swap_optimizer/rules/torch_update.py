@@ -40,12 +40,27 @@ def _torch_step(optimizer: torch.optim.Optimizer):
     return class_step(type(optimizer))
 
 
-def _fingerprint(value) -> bytes:
+def _fingerprint(value, held: Optional[list] = None) -> bytes:
     """What shows an in-place change of an attribute: a tensor's version, a
     container's members (by identity, tensors by version). In C++: a
     vouched-for step's strict check takes these for the optimizer's
-    attributes around every call (_C.fingerprints)."""
-    return _C.fingerprint(value)
+    attributes around every call (_C.fingerprints). held: a list that gets
+    every object named by identity; kept until the comparison, it keeps
+    another object from taking one's address (with the same version)."""
+    return _C.fingerprint(value, held)
+
+
+class _GroupsAtStep(NamedTuple):
+    """Per param group, the fingerprints of its values at step() (params
+    left out), and the objects they name, held until they are compared."""
+    shown: list[dict]
+    held: list
+
+
+def _groups_at_step(param_groups: list[dict]) -> _GroupsAtStep:
+    held: list = []
+    return _GroupsAtStep([{k: _fingerprint(v, held) for k, v in group.items() if k != "params"}
+                          for group in param_groups], held)
 
 
 # An optimizer's hook registries (register_step_pre_hook and the like): other
@@ -78,7 +93,8 @@ def run_torch_update(optimizer: torch.optim.Optimizer, groups: list[dict], state
     naming it."""
     stand_in = object.__new__(type(optimizer))
     stand_in.__dict__.update(optimizer.__dict__, param_groups=groups, state=state, **(grad_scale or {}))
-    before = _C.fingerprints(optimizer.__dict__, _NOT_CHECKED) if strict else None
+    held: list = []  # (what `before` names, kept until `after` is compared with it)
+    before = _C.fingerprints(optimizer.__dict__, _NOT_CHECKED, held) if strict else None
     try:
         _torch_step(optimizer)(stand_in)
     except Exception as error:
@@ -1302,8 +1318,7 @@ class TorchUpdateRule:
             self._shown[i] or not self._layouts_now[i] for i, grad in enumerate(grads) if grad is not None) and \
             self._may_defer(params, grads, first)
         # (what the groups hold at step(): a deferred step's group writes land when it is waited for)
-        before = [{k: _fingerprint(v) for k, v in group.items() if k != "params"} for group in opt.param_groups] \
-            if deferred and writes is not None else None
+        before = _groups_at_step(opt.param_groups) if deferred and writes is not None else None
         with signals_after_the_step():  # raised once the step and its bookkeeping are done
             opt._stepping = True
             try:
@@ -1377,7 +1392,7 @@ class TorchUpdateRule:
         beyond what every rule needs (a plan, no param stepping first)."""
         return True
 
-    def _groups_written(self, writes: Optional[Any], before: Optional[list] = None) -> None:
+    def _groups_written(self, writes: Optional[Any], before: Optional[_GroupsAtStep] = None) -> None:
         """Into the param groups: what a step's calls wrote there (a
         vouched-for optimizer's; nothing for torch's own)."""
 

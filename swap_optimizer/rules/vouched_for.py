@@ -17,8 +17,8 @@ from ..distributed import _global_offset, _is_dtensor, _like_param, _local
 from .compact_states import (ABSMAX, BF16, CODES, COMPENSATION, BatchCodec, blocks, compacts, form_for, kahan_applies,
                              kahan_round, kahan_stand_in, update_dtype)
 from .declarations import ELEMENT, SCALAR, WHOLE, Declaration
-from .torch_update import (TorchUpdateRule, _copied, _fingerprint, _fresh, _immutable, _keep_scalar, _Kept,
-                           _state_name, _store_keys, run_torch_update)
+from .torch_update import (TorchUpdateRule, _copied, _fingerprint, _fresh, _GroupsAtStep, _immutable, _keep_scalar,
+                           _Kept, _state_name, _store_keys, run_torch_update)
 
 
 
@@ -179,16 +179,17 @@ class _GroupWrites:
         """Whether a call wrote a value into its group."""
         return any(self.written.values())
 
-    def apply(self, before: Optional[list] = None) -> None:
+    def apply(self, before: Optional[_GroupsAtStep] = None) -> None:
         """Into the groups, what the calls wrote (a tensor copied again: one
-        made in a call is an inference tensor). before: per group, the
-        fingerprints of its values at step(), for a deferred step whose writes
-        land when it is waited for: a value changed since step() was changed
-        after the step in the plain optimizer's order, and is kept."""
+        made in a call is an inference tensor). before: the groups' values at
+        step(), for a deferred step whose writes land when it is waited for:
+        a value changed since step() was changed after the step in the plain
+        optimizer's order, and is kept."""
         for g, written in self.written.items():
             group = self.groups[g]
             for key, value in written.items():
-                if before is not None and (_fingerprint(group[key]) if key in group else None) != before[g].get(key):
+                if before is not None and \
+                        (_fingerprint(group[key]) if key in group else None) != before.shown[g].get(key):
                     continue
                 group[key] = value.clone() if torch.is_tensor(value) else value
 
@@ -364,7 +365,7 @@ class VouchedForRule(TorchUpdateRule):
             not self._to_probe(params, [i for i, grad in enumerate(grads) if grad is not None]) and \
             not any(_holds_device_tensor(value) for group in self._step_groups for value in group.values())
 
-    def _groups_written(self, writes: Optional[_GroupWrites], before: Optional[list] = None) -> None:
+    def _groups_written(self, writes: Optional[_GroupWrites], before: Optional[_GroupsAtStep] = None) -> None:
         if writes is not None:
             writes.apply(before)
             self._wrote_groups = writes.any()

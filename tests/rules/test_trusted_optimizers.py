@@ -437,9 +437,25 @@ class AttributeTensorCounter(Lion):
         super().step(closure)
 
 
+class AttributeListRenewed(Lion):
+    """Replaces the tensor in a list it keeps with a new one, made once the
+    old one is gone: the new one may take the old one's address, with the
+    same version (the strict check holds what it compares)."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.history = [torch.zeros(())]
+
+    def step(self, closure=None):
+        self.history.pop()
+        self.history.append(torch.zeros(()))
+        super().step(closure)
+
+
 @pytest.mark.parametrize("make, message", [
     (StateAtUpdate, "states change after a param's first update \\(\\['exp_avg', 'updates'\\], then \\['ema', "),
     (AttributeTensorCounter, "changed the optimizer's attribute\\(s\\) \\['counter'\\] in place"),
+    (AttributeListRenewed, "changed the optimizer's attribute\\(s\\) \\['history'\\] in place"),
 ])
 def test_what_the_probe_sees_over_two_updates_is_refused(make, message):
     params = make_params()

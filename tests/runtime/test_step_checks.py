@@ -79,6 +79,24 @@ def test_fingerprint_shows_each_in_place_change_and_nothing_else():
     assert _C.fingerprint(renamed) != _C.fingerprint(value())
 
 
+def test_fingerprint_holds_what_it_names():
+    """`held` gets every object a fingerprint names by identity, so that while
+    it is kept no other object takes one's address: a member replaced by a
+    new tensor (same version) made after the old one went shows."""
+    member, key, other = torch.zeros(()), (1, 2), object()
+    value = {"list": [member], key: other}
+    held = []
+    before = _C.fingerprint(value["list"], held) + _C.fingerprint(value, held)
+    assert {id(x) for x in held} == {id(member), id(key), id(value["list"])} | {id(other)}
+    del member
+    value["list"].pop()
+    value["list"].append(torch.zeros(()))
+    assert _C.fingerprint(value["list"]) + _C.fingerprint(value) != before
+    assert _C.fingerprints(value, (), held) == {"list": _C.fingerprint(value["list"]), key: _C.fingerprint(other)}
+    with pytest.raises(TypeError, match="held must be a list or None"):
+        _C.fingerprint(value, ())
+
+
 def test_staged_rows_hand_the_step_detached_rows_and_fall_back_on_subclasses():
     params, generator = _params(), torch.Generator().manual_seed(1)
     grads = [torch.randn(p.shape, generator=generator) for p in params]
