@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include <torch/csrc/autograd/python_variable.h>
+
+#include "../runtime/swap_runtime.h"
 
 namespace swap_optimizer {
 namespace {
@@ -95,6 +98,119 @@ class SpanIndex {
   c10::DeviceType device_type_;
   std::vector<int64_t> begins_, ends_, tags_;
   std::vector<int64_t> reach_;  // the greatest end among spans [0, i]
+};
+
+// What a pass checks of each op on the stepping thread (the read watch,
+// guard.py), decided without Python for the ops that need nothing: an op
+// needs the watch's Python check when its name is one that check decides
+// (attribute access, backward), or it touches a span of the pass, or the
+// pending step is updated (the check then ends the pass). Metadata reads and
+// ops on other tensors run at once: the bulk of another model's forward.
+class PassChecks {
+ public:
+  PassChecks(py::object metadata_names, py::object checked_names)
+      : metadata_names_(std::move(metadata_names)), checked_names_(std::move(checked_names)) {
+    TORCH_CHECK_TYPE(PyAnySet_Check(metadata_names_.ptr()) && PyAnySet_Check(checked_names_.ptr()),
+                     "PassChecks: the names must be sets");
+  }
+
+  bool needs_check(const py::handle& func, const py::handle& args, const py::handle& kwargs) const {
+    static PyObject* const name_key = PyUnicode_InternFromString("__name__");  // (never freed)
+    const py::object name = py::reinterpret_steal<py::object>(PyObject_GetAttr(func.ptr(), name_key));
+    if (!name) {
+      PyErr_Clear();  // (no name: an op like any other, as getattr(func, "__name__", "") reads it)
+    } else if (PyUnicode_Check(name.ptr())) {
+      if (contains(metadata_names_, name)) return false;
+      if (contains(checked_names_, name)) return true;
+    }
+    if (spans_index_ == nullptr) return false;
+    if (!spans_index_->touched(args, kwargs, lists).empty()) return true;
+    return runtime_ != nullptr && !keep_watching && runtime_->deferred_step_updated();
+  }
+
+  py::object spans() const { return spans_; }
+  void set_spans(const py::object& spans) {
+    spans_index_ = spans.is_none() ? nullptr : spans.cast<const SpanIndex*>();
+    spans_ = spans;
+  }
+  py::object runtime() const { return runtime_object_; }
+  void set_runtime(const py::object& runtime) {
+    runtime_ = runtime.is_none() ? nullptr : runtime.cast<runtime::SwapRuntime*>();
+    runtime_object_ = runtime;
+  }
+
+  bool lists = true;           // a test's knocked-out rule: false looks at no list's tensors
+  bool keep_watching = false;  // a test hook: an updated step does not end the pass
+
+ private:
+  static bool contains(const py::object& names, const py::object& name) {
+    const int found = PySet_Contains(names.ptr(), name.ptr());
+    if (found < 0) throw py::error_already_set();
+    return found == 1;
+  }
+
+  py::object metadata_names_, checked_names_;
+  py::object spans_ = py::none();  // the pass's SpanIndex, or None (no pass: no op needs a check)
+  const SpanIndex* spans_index_ = nullptr;
+  py::object runtime_object_ = py::none();  // the pending step's runtime, or None
+  runtime::SwapRuntime* runtime_ = nullptr;
+};
+
+// One read watch's __torch_function__ body: runs each op, first through the
+// watch's Python check where its pass's checks say it needs one, and counts
+// per thread the watch's calls in progress (torch holds a mode off its stack
+// during its own call, so it can be neither taken off nor pushed then).
+class WatchCalls {
+ public:
+  explicit WatchCalls(py::object checks) : checks_(std::move(checks)) {}
+
+  py::object call(const py::handle& func, const py::handle& args, const py::handle& kwargs,
+                  const py::handle& check) {
+    const PassChecks* checks = checks_.is_none() ? nullptr : checks_.cast<const PassChecks*>();
+    const bool checked = checks != nullptr && checks->needs_check(func, args, kwargs);
+    const py::tuple positional = PyTuple_Check(args.ptr()) ? py::reinterpret_borrow<py::tuple>(args)
+                                                           : py::tuple(py::reinterpret_borrow<py::object>(args));
+    PyObject* const named = kwargs.is_none() ? nullptr : kwargs.ptr();
+    const InCall in_call(*this);
+    if (checked) check(func, positional, kwargs);
+    PyObject* result = PyObject_Call(func.ptr(), positional.ptr(), named);
+    if (result == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(result);
+  }
+
+  bool running_here() const {
+    const auto here = std::this_thread::get_id();
+    return std::any_of(depths_.begin(), depths_.end(), [&](const auto& entry) { return entry.first == here; });
+  }
+
+  void retire() { checks_ = py::none(); }  // inert: every op runs at once
+
+ private:
+  // (the GIL guards depths_: every call runs with it held)
+  struct InCall {
+    explicit InCall(WatchCalls& calls) : calls_(calls) {
+      const auto here = std::this_thread::get_id();
+      for (auto& [thread, depth] : calls_.depths_) {
+        if (thread == here) {
+          ++depth;
+          return;
+        }
+      }
+      calls_.depths_.emplace_back(here, 1);
+    }
+    ~InCall() {
+      const auto here = std::this_thread::get_id();
+      for (auto entry = calls_.depths_.begin(); entry != calls_.depths_.end(); ++entry) {
+        if (entry->first != here) continue;
+        if (--entry->second == 0) calls_.depths_.erase(entry);
+        return;
+      }
+    }
+    WatchCalls& calls_;
+  };
+
+  py::object checks_;  // its pass's PassChecks, None once retired
+  std::vector<std::pair<std::thread::id, int>> depths_;  // threads with a call in progress
 };
 
 // The module tree below `module`, each module once in the order
@@ -191,6 +307,24 @@ void bind_overlap_checks(py::module& module) {
       .def("touched", &SpanIndex::touched, py::arg("args"), py::arg("kwargs"), py::arg("lists") = true,
            "The tags whose bytes the tensors among args and kwargs touch (inside lists and tuples too, unless "
            "lists=False).");
+  py::class_<PassChecks>(module, "PassChecks",
+                         "What an overlap pass checks of each op on the stepping thread: which ops need the read "
+                         "watch's Python check.")
+      .def(py::init<py::object, py::object>(), py::arg("metadata_names"), py::arg("checked_names"),
+           "metadata_names: ops that never need a check; checked_names: ops whose check only Python decides.")
+      .def_property("spans", &PassChecks::spans, &PassChecks::set_spans, "The pass's SpanIndex, or None.")
+      .def_property("runtime", &PassChecks::runtime, &PassChecks::set_runtime,
+                    "The pending step's SwapRuntime, or None: once its step is updated, an op needs the check.")
+      .def_readwrite("lists", &PassChecks::lists)
+      .def_readwrite("keep_watching", &PassChecks::keep_watching)
+      .def("needs_check", &PassChecks::needs_check, py::arg("func"), py::arg("args"), py::arg("kwargs"),
+           "Whether the op needs the watch's Python check.");
+  py::class_<WatchCalls>(module, "WatchCalls", "A read watch's __torch_function__ body.")
+      .def(py::init<py::object>(), py::arg("checks"))
+      .def("call", &WatchCalls::call, py::arg("func"), py::arg("args"), py::arg("kwargs"), py::arg("check"),
+           "func(*args, **kwargs), after check(func, args, kwargs) where the checks say the op needs it.")
+      .def("running_here", &WatchCalls::running_here, "Whether a call of this watch is in progress on this thread.")
+      .def("retire", &WatchCalls::retire, "From now on every op runs at once.");
 }
 
 }  // namespace swap_optimizer

@@ -1,23 +1,25 @@
 """The read watch of overlap_forward: a TorchFunctionMode put at the bottom
 of the stepping thread's mode stack, which records the probe's reads and, while
 a step is pending, makes ops outside the model's calls wait for the params
-(and grads) they touch, looked up by the byte spans of their storage (in C++:
-swap_optimizer._C.SpanIndex, csrc/bindings/overlap_checks.cpp)."""
+(and grads) they touch, looked up by the byte spans of their storage. Which
+ops need a look at all is decided in C++ (swap_optimizer._C.PassChecks and
+WatchCalls, csrc/bindings/overlap_checks.cpp): the rest run without Python."""
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Optional, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import torch_internals
+from .. import _C, torch_internals
 
 
 class OpWatcher(Protocol):
     """What the watch calls for each op that needs data (waits.ForwardOverlap)."""
+
+    checks: _C.PassChecks  # which ops need on_op
 
     def on_op(self, func, args, kwargs) -> None: ...
 
@@ -36,6 +38,14 @@ _ATTRIBUTE_ACCESS = frozenset({"__get__", "__set__", "__delete__"})
 # hands a raw pointer to CuPy or Numba.
 _DATA_ATTRIBUTES = frozenset({("__set__", "data"), ("__get__", "__cuda_array_interface__")})
 _BACKWARD_FUNCTIONS = frozenset({"backward", "grad"})  # Tensor.backward, torch.autograd.backward / grad
+# Ops whose check only the Python side decides (_needs_data, ForwardOverlap.on_op), whatever they touch.
+_CHECKED_IN_PYTHON = _ATTRIBUTE_ACCESS | _BACKWARD_FUNCTIONS
+
+
+def pass_checks() -> _C.PassChecks:
+    """What a ForwardOverlap's passes check of each op (its spans and runtime
+    are set per pass): every other op runs at once."""
+    return _C.PassChecks(_METADATA_METHODS, _CHECKED_IN_PYTHON)
 
 
 def _needs_data(func) -> bool:
@@ -89,28 +99,26 @@ class _ReadWatch(TorchFunctionMode):
         super().__init__()
         self._overlap = weakref.ref(overlap)
         self.thread: Optional[int] = None  # whose stack holds it
-        self._running = threading.local()
+        self._calls = _C.WatchCalls(overlap.checks)
 
     def running_here(self) -> bool:
         """Its own call runs on this thread: torch holds it off the stack until
         that call returns, so it can be neither taken off nor pushed again."""
-        return getattr(self._running, "depth", 0) > 0
+        return self._calls.running_here()
 
     def retire(self) -> None:
         """Inert from now on (left on a stack it cannot be taken off yet)."""
         self._overlap = lambda: None
+        self._calls.retire()
+
+    def _check_op(self, func, args, kwargs) -> None:
+        overlap = self._overlap()
+        if overlap is not None and _needs_data(func):
+            overlap.on_op(func, args, kwargs)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        overlap = self._overlap()
         # Under torch.compile this is traced, not run: compiled regions are
         # outside what the watch can see (docs/design.md, limits).
         if torch.compiler.is_compiling():
-            return func(*args, **kwargs)
-        self._running.depth = getattr(self._running, "depth", 0) + 1
-        try:
-            if overlap is not None and _needs_data(func):
-                overlap.on_op(func, args, kwargs)
-            return func(*args, **kwargs)
-        finally:
-            self._running.depth -= 1
+            return func(*args, **(kwargs or {}))
+        return self._calls.call(func, args, kwargs, self._check_op)

@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import _C, torch_internals
 from ..step_guards import capturing
-from .guard import _BACKWARD_FUNCTIONS, _insert_mode, _ReadWatch, _remove_mode
+from .guard import _BACKWARD_FUNCTIONS, _insert_mode, _ReadWatch, _remove_mode, pass_checks
 from .hooks import _Watch
 from .probe import _compiled_in_place, _structure, _WaitSchedule, _wrapped_module, check_model, find_blocks
 
@@ -102,6 +102,7 @@ class ForwardOverlap:
         self._set_modules()
         self._lock = threading.RLock()
         self.enqueuing = False  # set by before_step(); step() clears it once after_step() has run
+        self.checks = pass_checks()  # which ops the watch looks at: the pass's spans and runtime (_reset_pass)
         self._reset_pass()
         self._watch = _ReadWatch(self)
         _Watch.register(self)
@@ -116,6 +117,8 @@ class ForwardOverlap:
                              f"rules are {sorted(KNOCKABLE_RULES)}, kinds {list(UNGUARDABLE)}")
         sets = {key: frozenset(value) for key, value in changes.items() if key not in ("as_if_cuda", "keep_watching")}
         self.test_hooks = replace(self.test_hooks, **{**changes, **sets})
+        self.checks.lists = "lists" not in self.test_hooks.knocked_out_rules
+        self.checks.keep_watching = self.test_hooks.keep_watching
         self.watch_captures = self._on_cuda()
         if self.busy():
             _Watch.arm()
@@ -139,6 +142,23 @@ class ForwardOverlap:
         return self.pending or self.probing or self.watch_captures or self.orphaned or \
             self._watch.thread is not None
 
+    # The pass's spans and pending runtime live in its checks, which C++ reads at each op.
+    @property
+    def _spans(self) -> Optional[_C.SpanIndex]:
+        return self.checks.spans
+
+    @_spans.setter
+    def _spans(self, spans: Optional[_C.SpanIndex]) -> None:
+        self.checks.spans = spans
+
+    @property
+    def _pending_runtime(self):
+        return self.checks.runtime
+
+    @_pending_runtime.setter
+    def _pending_runtime(self, runtime) -> None:
+        self.checks.runtime = runtime
+
     def _reset_pass(self) -> None:
         self.pending = False        # positions of a deferred step may still be running
         # The runtime of the pending step, held by the pass itself: the optimizer
@@ -150,7 +170,7 @@ class ForwardOverlap:
         self._index = 0             # the next expected call of the schedule's sequence
         self._waited = -1           # every position up to this one is ready
         self._last_position = -1
-        self._spans: Optional[_C.SpanIndex] = None
+        self._spans = None
         self._positions: list[int] = []  # per span tag: the position it waits for
 
     # ---------------------------------------------------------- structure

@@ -423,6 +423,55 @@ def test_the_span_lookup_finds_every_alias_among_an_ops_arguments():
     assert _C.SpanIndex([(watched, 7)], torch.device("meta")).touched((watched,), {}) == []
 
 
+def test_only_ops_that_may_need_a_wait_reach_the_watchs_python_check():
+    """_C.PassChecks and WatchCalls (the read watch's per-op triage, in C++):
+    an op that touches a watched tensor (in a list too, unless lists is off),
+    whose name only Python decides (attribute access, backward), or that runs
+    once the pending step is updated (unless keep_watching) goes through the
+    watch's check first; metadata reads and ops on other tensors run at once;
+    with no pass, nothing is checked. WatchCalls counts its calls in progress
+    on this thread, also through an op that raises, and checks nothing once
+    retired."""
+    from swap_optimizer import _C
+    from swap_optimizer.overlap.guard import pass_checks
+
+    checks = pass_checks()
+    watched, other = torch.randn(4), torch.randn(4)
+    assert not checks.needs_check(torch.add, (watched, watched), None)  # no pass
+    checks.spans = _C.SpanIndex([(watched, 0)], torch.device("cpu"))
+    assert checks.needs_check(torch.add, (other, watched[1:]), None)
+    assert checks.needs_check(torch.add, (other,), {"other": watched})
+    assert checks.needs_check(torch.cat, ([other, watched],), None)
+    checks.lists = False
+    assert not checks.needs_check(torch.cat, ([other, watched],), None)
+    checks.lists = True
+    assert not checks.needs_check(torch.add, (other, other), {"alpha": 2})
+    assert not checks.needs_check(torch.Tensor.size, (watched,), None)  # metadata
+    assert checks.needs_check(torch.Tensor.backward, (other,), None)
+    assert checks.needs_check(torch.Tensor.data.__set__, (other, other), None)
+    model = build(torch.device("cpu"))
+    optimizer = so.SwapOptimizer(torch.optim.AdamW(model.parameters()), swap_times=2, min_numel=0)
+    checks.runtime = optimizer._runtime  # no step pending: it counts as updated, the check ends the pass
+    assert checks.needs_check(torch.add, (other, other), None)
+    checks.keep_watching = True
+    assert not checks.needs_check(torch.add, (other, other), None)
+    checks.runtime = None
+    assert checks.runtime is None and checks.spans is not None
+
+    calls, seen = _C.WatchCalls(checks), []
+    assert torch.equal(calls.call(torch.add, (other, watched), None, lambda *op: seen.append(calls.running_here())),
+                       other + watched)
+    assert seen == [True] and not calls.running_here()
+    assert calls.call(lambda *args: calls.running_here(), (other,), None, seen.append)  # (untouched: no check)
+    assert calls.call(torch.add, (other,), {"other": other, "alpha": 2}, seen.append).equal(other + 2 * other)
+    with pytest.raises(RuntimeError, match="size"):
+        calls.call(torch.add, (torch.randn(2), watched), None, lambda *op: seen.append("checked"))
+    assert seen == [True, "checked"] and not calls.running_here()
+    calls.retire()
+    calls.call(torch.add, (other, watched), None, seen.append)
+    assert seen == [True, "checked"]
+
+
 def test_a_torch_without_the_private_apis_it_needs_is_refused_naming_them(monkeypatch):
     """overlap_forward relies on torch's function mode stack (private API,
     wrapped once in swap_optimizer/torch_internals.py): a torch that lacks it
