@@ -123,19 +123,22 @@ class PassChecks {
       if (contains(metadata_names_, name)) return false;
       if (contains(checked_names_, name)) return true;
     }
-    if (spans_index_ == nullptr) return false;
-    if (!spans_index_->touched(args, kwargs, lists).empty()) return true;
-    return runtime_ != nullptr && !keep_watching && runtime_->deferred_step_updated();
+    // (held here: the lookup may run Python, a signal handler's or another
+    // thread's, which may end the pass and let go of its spans and runtime)
+    const py::object spans = spans_, runtime = runtime_object_;
+    if (spans.is_none()) return false;
+    if (!spans.cast<const SpanIndex*>()->touched(args, kwargs, lists).empty()) return true;
+    return !runtime.is_none() && !keep_watching && runtime.cast<runtime::SwapRuntime*>()->deferred_step_updated();
   }
 
   py::object spans() const { return spans_; }
   void set_spans(const py::object& spans) {
-    spans_index_ = spans.is_none() ? nullptr : spans.cast<const SpanIndex*>();
+    if (!spans.is_none()) (void)spans.cast<const SpanIndex*>();  // (a wrong type is refused here, not at an op)
     spans_ = spans;
   }
   py::object runtime() const { return runtime_object_; }
   void set_runtime(const py::object& runtime) {
-    runtime_ = runtime.is_none() ? nullptr : runtime.cast<runtime::SwapRuntime*>();
+    if (!runtime.is_none()) (void)runtime.cast<runtime::SwapRuntime*>();
     runtime_object_ = runtime;
   }
 
@@ -150,10 +153,8 @@ class PassChecks {
   }
 
   py::object metadata_names_, checked_names_;
-  py::object spans_ = py::none();  // the pass's SpanIndex, or None (no pass: no op needs a check)
-  const SpanIndex* spans_index_ = nullptr;
+  py::object spans_ = py::none();  // the pass's SpanIndex, or None (no pass: only the names above are checked)
   py::object runtime_object_ = py::none();  // the pending step's runtime, or None
-  runtime::SwapRuntime* runtime_ = nullptr;
 };
 
 // One read watch's __torch_function__ body: runs each op, first through the
@@ -166,11 +167,13 @@ class WatchCalls {
 
   py::object call(const py::handle& func, const py::handle& args, const py::handle& kwargs,
                   const py::handle& check) {
-    const PassChecks* checks = checks_.is_none() ? nullptr : checks_.cast<const PassChecks*>();
-    const bool checked = checks != nullptr && checks->needs_check(func, args, kwargs);
+    TORCH_CHECK_TYPE(kwargs.is_none() || PyDict_Check(kwargs.ptr()), "WatchCalls.call: kwargs must be a dict or None");
     const py::tuple positional = PyTuple_Check(args.ptr()) ? py::reinterpret_borrow<py::tuple>(args)
                                                            : py::tuple(py::reinterpret_borrow<py::object>(args));
     PyObject* const named = kwargs.is_none() ? nullptr : kwargs.ptr();
+    const py::object held_checks = checks_;  // (retire() may run during the check)
+    const bool checked = !held_checks.is_none() &&
+                         held_checks.cast<const PassChecks*>()->needs_check(func, positional, kwargs);
     const InCall in_call(*this);
     if (checked) check(func, positional, kwargs);
     PyObject* result = PyObject_Call(func.ptr(), positional.ptr(), named);

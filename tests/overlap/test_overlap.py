@@ -429,15 +429,16 @@ def test_only_ops_that_may_need_a_wait_reach_the_watchs_python_check():
     whose name only Python decides (attribute access, backward), or that runs
     once the pending step is updated (unless keep_watching) goes through the
     watch's check first; metadata reads and ops on other tensors run at once;
-    with no pass, nothing is checked. WatchCalls counts its calls in progress
-    on this thread, also through an op that raises, and checks nothing once
-    retired."""
+    with no pass, only the names Python decides are checked. WatchCalls
+    counts its calls in progress on this thread, also through an op that
+    raises, and checks nothing once retired."""
     from swap_optimizer import _C
     from swap_optimizer.overlap.guard import pass_checks
 
     checks = pass_checks()
     watched, other = torch.randn(4), torch.randn(4)
     assert not checks.needs_check(torch.add, (watched, watched), None)  # no pass
+    assert checks.needs_check(torch.Tensor.backward, (watched,), None)
     checks.spans = _C.SpanIndex([(watched, 0)], torch.device("cpu"))
     assert checks.needs_check(torch.add, (other, watched[1:]), None)
     assert checks.needs_check(torch.add, (other,), {"other": watched})
@@ -464,6 +465,8 @@ def test_only_ops_that_may_need_a_wait_reach_the_watchs_python_check():
     assert seen == [True] and not calls.running_here()
     assert calls.call(lambda *args: calls.running_here(), (other,), None, seen.append)  # (untouched: no check)
     assert calls.call(torch.add, (other,), {"other": other, "alpha": 2}, seen.append).equal(other + 2 * other)
+    with pytest.raises(TypeError, match="kwargs must be a dict or None"):
+        calls.call(torch.add, (other, other), [("alpha", 2)], seen.append)
     with pytest.raises(RuntimeError, match="size"):
         calls.call(torch.add, (torch.randn(2), watched), None, lambda *op: seen.append("checked"))
     assert seen == [True, "checked"] and not calls.running_here()
