@@ -479,19 +479,20 @@ class _LeanBatch(NamedTuple):
     with_scalars_out: list         # the rows that keep scalars after the step
 
 
-def _lean_batch(pieces: list, plans: list[_RowPlan], group_of: list[int]) -> Optional[_LeanBatch]:
+def _lean_batch(pieces: list, plans: list[_RowPlan], group: Optional[int]) -> Optional[_LeanBatch]:
     """A batch's _LeanBatch over its `pieces` (the runtime's (param, offset,
-    count) rows), or None where they span groups, a row's states are compact
-    or under Kahan, or a piece of a split param keeps scalars."""
+    count) rows) of param group `group`, or None where they span groups
+    (group None), a row's states are compact or under Kahan, or a piece of a
+    split param keeps scalars."""
     rows = [index for index, _, _ in pieces]
-    if not rows or any(group_of[i] != group_of[rows[0]] for i in rows):
+    if group is None:
         return None
     for index, _, count in pieces:
         plan = plans[index]
         if plan.kahan or plan.coded or plan.has_rounding_step or (
                 count != plan.numel and (plan.scalars_in or plan.scalars_out)):
             return None
-    return _LeanBatch(group=group_of[rows[0]],
+    return _LeanBatch(group=group,
                       pieces=[None if count == plans[i].numel else (offset, count) for i, offset, count in pieces],
                       kept=[plans[i].kept for i in rows], exact=[plans[i].exact for i in rows],
                       scalars_in=[bool(plans[i].scalars_in) for i in rows],
@@ -1096,11 +1097,14 @@ class TorchUpdateRule:
         # size lays the store out again.)
         group_of = opt._group_of_param()
         self._batch_rows = [[index for index, _, _ in batch["pieces"]] for batch in self._batch_layout]
+        one_group = [group_of[rows[0]] if rows and all(group_of[i] == group_of[rows[0]] for i in rows) else None
+                     for rows in self._batch_rows]
         self._whole_batch_group = [
-            group_of[rows[0]] if rows and all(group_of[i] == group_of[rows[0]] for i in rows) and
+            group if group is not None and
             all(count == self._row_plans[index].numel for index, _, count in batch["pieces"]) else None
-            for rows, batch in zip(self._batch_rows, self._batch_layout)]
-        self._lean_batches = [_lean_batch(batch["pieces"], self._row_plans, group_of) for batch in self._batch_layout]
+            for group, batch in zip(one_group, self._batch_layout)]
+        self._lean_batches = [_lean_batch(batch["pieces"], self._row_plans, group)
+                              for group, batch in zip(one_group, self._batch_layout)]
         self._split_params = sorted({index for batch in self._batch_layout for index, _, count in batch["pieces"]
                                      if count != self._row_plans[index].numel})
         opt._param_ids = [id(p) for p in params]
@@ -1270,6 +1274,14 @@ class TorchUpdateRule:
                 kept[p] = _copied(entry)
         return kept
 
+    def _where_every_row_stepped(self, per_batch: list) -> list:
+        """`per_batch` with None for each batch that holds a row whose param
+        keeps states and has not stepped yet (such a row goes through the walk)."""
+        if all(self._shown):
+            return per_batch
+        return [value if value is not None and all(self._shown[i] or not self._row_plans[i].kept for i in rows)
+                else None for value, rows in zip(per_batch, self._batch_rows)]
+
     def step(self, opt) -> None:
         """One step of every param with a grad (after SwapOptimizer.step's
         common part: closure, waits, refusals)."""
@@ -1338,15 +1350,8 @@ class TorchUpdateRule:
                     grad_scale={name: _fresh(value) for name, value in amp.items()},
                     group_writes=writes, rounding_seed=getattr(self, "_rounding_seed", None),
                     global_offsets=self._global_offsets, batch_rows=self._batch_rows,
-                    # (a row whose param has not stepped yet, and keeps states, goes through the walk)
-                    lean_batches=self._lean_batches if all(self._shown) else [
-                        lean if lean is not None and all(self._shown[i] or not self._row_plans[i].kept
-                                                         for i in rows) else None
-                        for lean, rows in zip(self._lean_batches, self._batch_rows)],
-                    whole_batch_group=self._whole_batch_group if all(self._shown) else [
-                        group if group is not None and all(self._shown[i] or not self._row_plans[i].kept
-                                                           for i in rows) else None
-                        for group, rows in zip(self._whole_batch_group, self._batch_rows)])
+                    lean_batches=self._where_every_row_stepped(self._lean_batches),
+                    whole_batch_group=self._where_every_row_stepped(self._whole_batch_group))
                 # (accepts: a class patched since this rule was made runs step() from then on)
                 if self._functional is not None and writes is None and self._functional_fits and \
                         self._functional.accepts(self.optimizer):
