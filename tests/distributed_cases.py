@@ -1,7 +1,11 @@
-"""Multi-process cases for tests/distributed/test_distributed.py: each runs on 2 ranks
-spawned here, on 127.0.0.1 with a free port, and asserts inside the ranks.
+"""Multi-process cases for tests/distributed/test_distributed.py: they run on 2 ranks
+spawned here, on 127.0.0.1 with a free port, and assert inside the ranks.
 
-    python distributed_cases.py CASE WORK_DIR [gloo|nccl]
+    python distributed_cases.py CASE[,CASE...] WORK_DIR [gloo|nccl]
+
+Several cases run one after the other in the same two ranks and process group
+(spawning the ranks costs more than most cases), each in its own folder of
+WORK_DIR; the first that fails stops the run.
 
 Tolerances: SwapOptimizer against the plain optimizer in the same setting,
 rtol 1e-5 / atol 1e-6 (fp32); checkpoint round trips are bitwise.
@@ -9,6 +13,7 @@ rtol 1e-5 / atol 1e-6 (fp32); checkpoint round trips are bitwise.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -511,15 +516,21 @@ CASES = {"ddp_overlap": case_ddp_overlap, "ddp_overlap_layer_drop": case_ddp_ove
          "fsdp2_budget": case_fsdp2_budget, "ddp": case_ddp, "ddp_auto_budget": case_ddp_auto_budget}
 
 
-def run_rank(rank, case, work_dir, backend, port):
+def run_rank(rank, cases, work_dir, backend, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=WORLD)
     try:
-        CASES[case](rank, device, work_dir)
-        dist.barrier()
+        for case in cases:
+            case_dir = os.path.join(work_dir, case)
+            os.makedirs(case_dir, exist_ok=True)
+            CASES[case](rank, device, case_dir)
+            gc.collect()  # the case's optimizers go (an overlapping one takes its watch off) before the next
+            dist.barrier()
+            if rank == 0:
+                print(f"{case} on {backend}: passed on {WORLD} ranks", flush=True)
     finally:
         dist.destroy_process_group()
 
@@ -531,7 +542,9 @@ def free_port() -> int:
 
 
 if __name__ == "__main__":
-    case, work_dir = sys.argv[1], sys.argv[2]
+    cases, work_dir = sys.argv[1].split(","), sys.argv[2]
+    unknown = [case for case in cases if case not in CASES]
+    if unknown:
+        sys.exit(f"no such case: {', '.join(unknown)} (the cases: {', '.join(CASES)})")
     backend = sys.argv[3] if len(sys.argv) > 3 else "gloo"
-    mp.spawn(run_rank, args=(case, work_dir, backend, free_port()), nprocs=WORLD)
-    print(f"{case} on {backend}: passed on {WORLD} ranks")
+    mp.spawn(run_rank, args=(cases, work_dir, backend, free_port()), nprocs=WORLD)

@@ -177,6 +177,7 @@ def test_in_step_unscaling_follows_the_wrapped_optimizer(inner_fused, unscale_in
 
 
 # ------------------------------------------------------------ item 10
+@pytest.mark.slow  # inductor compiles the model for about 35 s on 2 cores
 def test_compiled_step_and_compiled_model_train_like_the_plain_optimizer():
     """torch.compile(opt.step), a documented torch recipe, runs the step eagerly
     (no capturable=True forced on the groups), fullgraph included; a compiled

@@ -98,6 +98,7 @@ def rss_bytes():
         return int(statm.read().split()[1]) * 4096
 
 
+@pytest.mark.slow  # about 40 s on 2 cores
 def test_soak_2000_steps_stays_flat_and_correct():
     """2000 steps on the host backend with random copy delays: process RSS and
     the runtime's byte counts flat after warm-up (under 1% growth), and the

@@ -2,8 +2,8 @@
 
 benchmarks/state_modes_parity.py's byte-level transformer and data, 1,000
 steps (warmup, cosine decay), per elementwise optimizer (a hand-written Lion,
-vouched for, too): the exact run (the plain optimizer, fp32 states) against SwapOptimizer with bf16 states
-(stochastic rounding) and with 8-bit states. Each compact run's final loss
+vouched for, too): the exact run (the plain optimizer, fp32 states) against SwapOptimizer with 8-bit
+states, and for two of them with bf16 states (stochastic rounding; ROWS says why). Each compact run's final loss
 (mean of the last 50 steps) must be within 2% of the exact run's, and the
 exact run must have learned (well under ln 256 = 5.55 nats). ASGD is left
 out: its only compact state, ax, is read by no update, so its loss is the
@@ -84,8 +84,13 @@ def exact_loss(name):
     return exact
 
 
-# (Adagrad's sum, its only state, stays exact under bf16: nothing to compare)
-ROWS = [(name, mode) for name in sorted(OPTIMIZERS) for mode in sorted(MODES) if (name, mode) != ("Adagrad", "bf16")]
+# 8-bit for every optimizer: its forms differ by state kind (signed, unsigned
+# denominators, kinds kept in bf16). bf16 is one rounding for every state, its
+# rows all within 0.7% (docs/usage.md): two of them, Adadelta's (the farthest,
+# denominators only) and the vouched-for Lion's (a sign update); each run takes
+# 20 s or more on 2 cores. (Adagrad's sum, its only state, stays exact under bf16.)
+BF16_ROWS = {"Adadelta", "Lion"}
+ROWS = [(name, mode) for name in sorted(OPTIMIZERS) for mode in sorted(MODES) if mode == "8-bit" or name in BF16_ROWS]
 
 
 @pytest.mark.slow

@@ -181,7 +181,8 @@ def test_overlap_joins_the_training_step_comparison(tmp_path, capsys):
     assert "loop vs resident" in out and "| swap s4 a3 overlap |" in out
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adafactor", "muon"])
+# (muon's bf16 Newton-Schulz makes its run take about 30 s on 2 cores: slow tier)
+@pytest.mark.parametrize("optimizer", ["sgd", "adafactor", pytest.param("muon", marks=pytest.mark.slow)])
 def test_another_optimizer_runs_the_main_job(tmp_path, capsys, optimizer):
     """--optimizer: the resident mode is the plain optimizer, the swap modes
     stream its own states (SGD's and Muon's momentum: 4 bytes per param each
