@@ -4,8 +4,9 @@
 #    the host backend's worker threads, with random copy delays, failures and
 #    interrupts (tests/cpp/pipeline_stress.cpp).
 # 2. AddressSanitizer and UndefinedBehaviorSanitizer: a CPU-only build of the
-#    extension with -fsanitize=address,undefined runs the CPU test suite. torch is
-#    not instrumented; the sanitizer runtimes are preloaded into Python.
+#    extension with -fsanitize=address,undefined runs the CPU test suite's
+#    in-process folders (below). torch is not instrumented; the sanitizer
+#    runtimes are preloaded into Python.
 # Any report fails the run (exit codes 66 for TSan, non-zero for ASan/UBSan).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,7 +19,7 @@ g++ -std=c++17 -O1 -g -fsanitize=thread -Icsrc csrc/runtime/pipeline.cpp csrc/ru
   csrc/runtime/store_layout.cpp tests/cpp/pipeline_stress.cpp -o "$WORK/pipeline_stress" -lpthread
 TSAN_OPTIONS="halt_on_error=1 exitcode=66" "$WORK/pipeline_stress"
 
-echo "== AddressSanitizer + UndefinedBehaviorSanitizer: CPU suite"
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer: the CPU suite's in-process folders"
 SWAP_OPTIMIZER_SANITIZE=address,undefined MAX_JOBS="${MAX_JOBS:-2}" \
   "$PY" setup.py -q build_ext --build-temp "$WORK/asan_build" --build-lib "$WORK/asan_lib" >"$WORK/asan_build.log" 2>&1 \
   || { tail -40 "$WORK/asan_build.log"; exit 1; }
@@ -34,7 +35,8 @@ LD_PRELOAD="$preload" PYTHONPATH="$WORK/asan_lib" ASAN_OPTIONS="detect_leaks=0" 
 # as in any `pytest tests` (the training parity runs, whose kernels
 # tests/rules/test_compact_states.py drives under ASan in seconds), tests/tools
 # and tests/distributed, whose subprocesses (the build, the bench and examples
-# as users run them, two ranks) repeat the same calls at seconds of start-up each.
+# as users run them, two ranks) repeat the calls of the other folders at seconds
+# of start-up each (the bench's in-process runs make the same calls too).
 LD_PRELOAD="$preload" PYTHONPATH="$WORK/asan_lib" \
   ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1" \
   UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \

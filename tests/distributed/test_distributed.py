@@ -3,6 +3,7 @@ tests/distributed_cases.py (gloo on 127.0.0.1; nccl variants need 2 GPUs)."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -23,15 +24,24 @@ def run_cases(cases, backend, work_dir):
     """Runs `cases` one after the other on the same two spawned ranks: {case:
     None where it passed, else what the run printed}. A case after the first
     failing one did not run and says so."""
-    out = subprocess.run([sys.executable, SCRIPT, ",".join(cases), str(work_dir), backend], capture_output=True,
-                         text=True, timeout=120 + 60 * len(cases))
-    passed = set(re.findall(rf"^(\w+) on {backend}: passed", out.stdout, flags=re.M))
-    report = f"exit status {out.returncode}:\n{out.stdout}\n{out.stderr[-6000:]}"
+    # A session of its own: on a timeout the ranks go with the parent (a hung
+    # collective would otherwise keep them for gloo's 30-minute timeout).
+    process = subprocess.Popen([sys.executable, SCRIPT, ",".join(cases), str(work_dir), backend], text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=120 + 60 * len(cases))
+        status = f"exit status {process.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        status = "timed out"
+    passed = set(re.findall(rf"^(\w+) on {backend}: passed", stdout, flags=re.M))
+    report = f"{status}:\n{stdout}\n{stderr[-6000:]}"
     failed = next((case for case in cases if case not in passed), None)
 
     def verdict(case):
         if case in passed:  # a non-zero exit with every case passed is the teardown's: all of them report it
-            return report if out.returncode != 0 and failed is None else None
+            return report if process.returncode != 0 and failed is None else None
         return report if case == failed else f"not run: {failed} failed before it"
     return {case: verdict(case) for case in cases}
 
@@ -39,9 +49,10 @@ def run_cases(cases, backend, work_dir):
 @pytest.fixture(scope="module")
 def gloo_results(request, tmp_path_factory):
     """The ranks run every gloo case this session selected in one spawn: each
-    spawn costs about as much as a case (7 s on 2 cores)."""
-    selected = [item.callspec.params["case"] for item in request.session.items
-                if getattr(item, "originalname", None) == "test_two_ranks_gloo"]
+    spawn costs about as much as a case (7 s on 2 cores). (Under pytest-xdist
+    each worker sees the whole selection and runs all of it.)"""
+    selected = list(dict.fromkeys(item.callspec.params["case"] for item in request.session.items
+                                  if getattr(item, "originalname", None) == "test_two_ranks_gloo"))
     return run_cases(selected, "gloo", tmp_path_factory.mktemp("gloo"))
 
 
