@@ -36,16 +36,9 @@ SHAPES = [(256, 700), (70000,), (64, 300), (5,)]  # the first two are large enou
 STEPS = 20
 
 
-# Muon's bf16 Newton-Schulz matmuls take the CPU a large part of a second a
-# step on SHAPES' matrices; it is never cut, so the bitwise runs give it the
-# case table's (below 32 x 32: torch's CPU kernels stay on one thread).
-SMALL_MATRICES = [(16, 24), (16, 20), (12, 16)]
-
-
-def make_params(name, dtype=torch.float32, device="cpu", shapes=None):
+def make_params(name, dtype=torch.float32, device="cpu"):
     generator = torch.Generator().manual_seed(1)
-    if shapes is None:
-        shapes = [s for s in SHAPES if len(s) == 2] if name == "Muon" else SHAPES
+    shapes = [s for s in SHAPES if len(s) == 2] if name == "Muon" else SHAPES
     return [nn.Parameter(torch.randn(*s, generator=generator).to(device, dtype)) for s in shapes]
 
 
@@ -66,10 +59,10 @@ def torch_optimizer(name, kwargs):
     return lambda params: getattr(torch.optim, name)(params, **kwargs)
 
 
-def run_rule_pair(name, kwargs, steps=STEPS, dtype=torch.float32, device="cpu", shapes=None, **settings):
+def run_rule_pair(name, kwargs, steps=STEPS, dtype=torch.float32, device="cpu", **settings):
     """The plain optimizer and the wrapped one over make_params(name): bitwise."""
-    return run_pair(torch_optimizer(name, kwargs), lambda: make_params(name, dtype, device, shapes), steps,
-                    exact=True, **settings)
+    return run_pair(torch_optimizer(name, kwargs), lambda: make_params(name, dtype, device), steps, exact=True,
+                    **settings)
 
 
 def bitwise_rows():
@@ -98,9 +91,13 @@ def test_bitwise_equal_to_the_plain_optimizer(name, kwargs, device):
     run, so all are bitwise equal to each other.)"""
     for implementation in implementations(name):
         for swap_times, num_arenas in ((1, 2), (2, 2), (4, 3), (16, 2)):
-            swapped = run_rule_pair(name, dict(kwargs, **implementation), swap_times=swap_times,
-                                    num_arenas=num_arenas, device=device,
-                                    shapes=SMALL_MATRICES if name == "Muon" else None).swapped
+            settings = dict(swap_times=swap_times, num_arenas=num_arenas)
+            if name == "Muon":  # its bf16 Newton-Schulz takes the CPU most of a second a step on SHAPES'
+                # matrices; never cut, it runs on the case table's small ones
+                swapped = run_pair(torch_optimizer(name, dict(kwargs, **implementation)),
+                                   BY_NAME[name].params(device=device), STEPS, exact=True, **settings).swapped
+            else:
+                swapped = run_rule_pair(name, dict(kwargs, **implementation), device=device, **settings).swapped
             stats = swapped.memory_stats()
             if num_arenas == 3:
                 assert stats["num_arenas"] == 3, "three batches or more rotate through the three arenas"
