@@ -26,7 +26,10 @@ in the same process, round by round, with the min and median over rounds.
   model under a torch function mode that only calls each op, its
   __torch_function__ in C (`_C.torch_function_call_through`), and the own
   forward with global module hooks that do nothing: what torch itself charges
-  any read watch and any module hook, before either does anything.
+  any read watch and any module hook, before either does anything; and the
+  own and the other model with the own model's params made
+  SelfWatchingParameters, a batch's given their class back at its first op:
+  the floor of a watch carried by the pending params themselves.
 - compact states: the step of a SwapOptimizer whose states are bf16 or 8-bit
   against the same SwapOptimizer with the default states, over 8 params of
   500k elements at swap_times 8 (one thread: the CPU loops' own speed), for
@@ -254,20 +257,28 @@ SITUATIONS = {
     "step done, own forward": ("own", True, False),
     "step done, another model": ("other", True, False),
 }
-# floor situation -> (what it runs, under what: a CallThroughMode, or a global
-# forward pre-hook and hook that do nothing), overlap's hooks off, no step
-# pending: what torch itself charges any read watch and any module hook.
+# floor situation -> (what it runs, under what: a CallThroughMode, a global
+# forward pre-hook and hook that do nothing, or the model's params made
+# SelfWatchingParameters), overlap's hooks off, no step pending: what torch
+# itself charges any read watch and any module hook, and a watch carried by the
+# pending params themselves.
 FLOOR_SITUATIONS = {
     "floor: a mode that only calls each op, own forward": ("own", "mode"),
     "floor: a mode that only calls each op, another model": ("other", "mode"),
     "floor: global module hooks that do nothing, own forward": ("own", "hooks"),
+    "floor: params that watch themselves, own forward": ("own", "params"),
+    "floor: params that watch themselves, another model": ("other", "params"),
 }
 
 
 @contextlib.contextmanager
-def _floor(under: str):
+def _floor(under: str, batches: list[list[nn.Parameter]]):
     if under == "mode":
         with CallThroughMode():
+            yield
+        return
+    if under == "params":
+        with SelfWatchingParameter.armed(batches):
             yield
         return
     handles = [nn.modules.module.register_module_forward_pre_hook(lambda module, args: None),
@@ -287,6 +298,67 @@ class CallThroughMode(TorchFunctionMode):
         super().__init__()
         # (torch takes a mode's __torch_function__ only as a method bound to the mode)
         self.__torch_function__ = types.MethodType(_C.torch_function_call_through, self)
+
+
+# What a watch lets through without a look: metadata, never the data.
+_METADATA = frozenset({torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.shape.__get__,
+                       torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.grad.__get__,
+                       torch.Tensor.requires_grad.__get__, torch.Tensor.is_leaf.__get__})
+
+
+def _tensor_args(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
+
+
+class SelfWatchingParameter(nn.Parameter):
+    """The floor of a watch carried by the pending params themselves (not the
+    library's watch, which is a mode and hooks: docs/design.md, "What torch
+    charges any such check"): while armed, the params of a pending step are of
+    this class, so only an op that touches one reaches Python; every other
+    tensor's op, another model's forward whole, runs as without any watch.
+    The first op touching a param of batch b gives every param of batches
+    0..b its class back, where a real watch would wait for batch b; the
+    later ops on them run as without a watch."""
+
+    _batch_of: dict[int, int] = {}
+    _batches: list[list[nn.Parameter]] = []
+    _classes: dict[int, type] = {}
+    _restored_through = -1
+
+    @classmethod
+    @contextlib.contextmanager
+    def armed(cls, batches: list[list[nn.Parameter]]):
+        cls._batches, cls._restored_through = batches, -1
+        cls._batch_of = {id(p): b for b, params in enumerate(batches) for p in params}
+        cls._classes = {id(p): type(p) for params in batches for p in params}
+        for params in batches:
+            for p in params:
+                p.__class__ = cls
+        try:
+            yield
+        finally:
+            cls._restore_through(len(batches) - 1)
+
+    @classmethod
+    def _restore_through(cls, batch: int) -> None:
+        for b in range(cls._restored_through + 1, batch + 1):
+            for p in cls._batches[b]:
+                p.__class__ = cls._classes[id(p)]
+        cls._restored_through = max(cls._restored_through, batch)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _METADATA:
+            touched = max((cls._batch_of[id(t)] for t in _tensor_args(args, kwargs) if type(t) is cls), default=-1)
+            if touched > cls._restored_through:
+                cls._restore_through(touched)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
 
 def measure_forward(device: torch.device, rounds: int, repeats: int) -> list[dict]:
@@ -326,6 +398,9 @@ def measure_forward(device: torch.device, rounds: int, repeats: int) -> list[dic
 
     for _ in range(2):  # the first step's next forward is the probe's (it makes the wait schedule)
         step(False)
+    # (the self-watching floor: the model's params in order, as many batches as the step's)
+    batches = [group["params"] for group in _groups_per_batch(list(model.parameters()),
+                                                              optimizer.memory_stats()["batches"])]
     samples: dict[str, dict[str, list[float]]] = {name: {"plain": [], "overlap": []}
                                                   for name in [*SITUATIONS, *FLOOR_SITUATIONS]}
     for number in range(rounds + 1):  # round 0 warms up (and runs the probe)
@@ -336,7 +411,7 @@ def measure_forward(device: torch.device, rounds: int, repeats: int) -> list[dic
                 with hooks_suspended():
                     plain.append(timed(kind))
                 step(False)
-                with hooks_suspended(), _floor(under):
+                with hooks_suspended(), _floor(under, batches):
                     floor.append(timed(kind))
             if number:
                 samples[name]["plain"].append(statistics.median(plain))
@@ -404,8 +479,8 @@ def step_table(rows: list[dict]) -> str:
 
 
 def forward_table(rows: list[dict]) -> str:
-    lines = ["| situation | plain ms | overlap ms (floor rows: under the mode or hooks) | ratio (median / min) | "
-             "extra us per module call |",
+    lines = ["| situation | plain ms | overlap ms (floor rows: under the mode, the hooks or the self-watching "
+             "params) | ratio (median / min) | extra us per module call |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['situation']} | {r['plain_ms']['median']:.3f} | {r['overlap_ms']['median']:.3f} | "
