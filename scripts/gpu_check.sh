@@ -354,8 +354,9 @@ PARITY_TESTS=(
   "tests/runtime/test_split_params.py::test_state_dict_of_split_params_round_trips[cuda]"
   "tests/runtime/test_split_params.py::test_fault_inside_and_outside_a_split_param_keeps_every_element_consistent[update-3-all swapped-cuda]"
   # overlap_forward: AdamW and torch-update rules, a tensor lr under a scheduler, the waits, a graph capture
-  "tests/overlap/test_overlap.py::test_overlap_trains_bitwise_like_without[plain-cuda]"
-  "tests/overlap/test_overlap.py::test_overlap_trains_bitwise_like_without[scheduler-cuda]"
+  "tests/overlap/test_overlap.py::test_overlap_trains_bitwise_like_without[armed-plain-cuda]"
+  "tests/overlap/test_overlap.py::test_overlap_trains_bitwise_like_without[mode-plain-cuda]"
+  "tests/overlap/test_overlap.py::test_overlap_trains_bitwise_like_without[armed-scheduler-cuda]"
   "tests/overlap/test_overlap.py::test_the_waits_are_what_keeps_it_right[cuda]"
   "tests/overlap/test_overlap.py::test_fault_at_every_batch_of_a_deferred_step_loses_nothing[update-cuda]"
   "tests/overlap/test_overlap.py::test_cuda_graph_capture_after_wait_is_refused_until_synchronize"
@@ -374,7 +375,7 @@ PARITY_TESTS=(
   # GradScaler: unscaled on the host and in step() (unscale_in_step), an inf step, overlapped, split, fused rules
   "tests/optimizer/test_integration.py::test_grad_scaler_with_an_inf_step_and_clipping[False-cuda]"
   "tests/optimizer/test_integration.py::test_grad_scaler_with_an_inf_step_and_clipping[True-cuda]"
-  "tests/overlap/test_overlap.py::test_overlap_trains_bitwise_like_without[grad_scaler_in_step-cuda]"
+  "tests/overlap/test_overlap.py::test_overlap_trains_bitwise_like_without[armed-grad_scaler_in_step-cuda]"
   "tests/runtime/test_split_params.py::test_grad_scaler_skip_step_with_split_params[cuda]"
   "tests/kernels/test_fused_adam_op.py::test_grad_scale_matches_torch_fused[cuda]"
   "tests/kernels/test_fused_adam_op.py::test_found_inf_changes_nothing[cuda]"

@@ -14,12 +14,20 @@ each: test_the_private_torch_apis_overlap_uses_work_on_this_torch) runs on
   torch.compile's OptimizedModule wrapper (the module it runs);
 - a module's own params (`_parameters`, what named_parameters walks) and its
   children (`_modules`), which module_structure reads in C++, with the
-  compiled call above (csrc/bindings/overlap_checks.cpp).
+  compiled call above (csrc/bindings/overlap_checks.cpp);
+- a storage's use count (`torch._C._storage_Use_Count`, which torch's own
+  tests use): whether a param or grad shares its storage with another tensor;
+- `torch.autograd._engine_run_backward`, through which Tensor.backward,
+  torch.autograd.backward and torch.autograd.grad run the engine: a wrapper
+  there waits for armed steps before any backward;
+- torch._dynamo's frame counters: whether torch.compile has compiled
+  anything in this process.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import sys
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -92,3 +100,51 @@ def check_mode_stack() -> None:
     stack's functions (overlap_forward checks at construction)."""
     for name in _MODE_STACK:
         _mode_stack_call(name)
+
+
+_ALONE_COUNTS: dict[str, int] = {}  # device type -> a storage's count when one tensor alone holds it
+
+
+def storage_is_shared(tensor: torch.Tensor) -> Optional[bool]:
+    """Whether another tensor (a view, an alias) or a storage object holds
+    `tensor`'s storage; None where this torch cannot say. Compared with a
+    fresh tensor's count, not a constant: whether the storage object asked
+    for counts itself may differ between versions (checked on 2.14: it
+    does)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return None
+    kind = tensor.device.type
+    if kind not in _ALONE_COUNTS:
+        alone = torch.empty(1, device=tensor.device)  # (held: a freed storage's address counts garbage)
+        _ALONE_COUNTS[kind] = use_count(alone.untyped_storage()._cdata)
+    return use_count(tensor.untyped_storage()._cdata) > _ALONE_COUNTS[kind]
+
+
+def call_before_every_backward(before: Callable[[], None]) -> bool:
+    """Makes every backward (Tensor.backward, torch.autograd.backward and
+    grad) call `before()` first, once per process; False where this torch
+    runs its engine otherwise (they all call torch.autograd's
+    `_engine_run_backward` on 2.11-2.14)."""
+    run = getattr(torch.autograd, "_engine_run_backward", None)
+    if run is None:
+        return False
+    if getattr(run, "swap_optimizer_before", None) is before:
+        return True
+
+    def run_after_before(*args, **kwargs):
+        before()
+        return run(*args, **kwargs)
+
+    run_after_before.swap_optimizer_before = before
+    torch.autograd._engine_run_backward = run_after_before
+    return True
+
+
+def compiled_anything() -> bool:
+    """Whether torch.compile has compiled a frame in this process (torch._dynamo's frame counters, 2.11-2.14)."""
+    if "torch._dynamo" not in sys.modules:  # (never imported: nothing compiled, and no import inside step())
+        return False
+    from torch._dynamo.utils import counters
+
+    return bool(counters["frames"]["total"])

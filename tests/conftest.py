@@ -50,6 +50,19 @@ PACKED_KERNEL = dict(state_dtype=torch.float32)
 requires_cuda = pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=str(CUDA_SKIP_REASON))
 
 
+@pytest.fixture
+def overlap_may_arm():
+    """For a test that needs overlap's passes armed: they arm only where
+    torch.compile has compiled nothing in the process
+    (swap_optimizer/overlap/armed.py), so earlier tests' compiles are
+    forgotten first."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters["frames"].clear()
+
+
 @pytest.fixture(autouse=True)
 def no_watch_left_behind():
     """Every test ends with no torch function mode left on the stack: an

@@ -22,14 +22,13 @@ in the same process, round by round, with the min and median over rounds.
   on as for a step in flight): the model's own forward, its blocks called from
   a script loop, and another model's forward while the pass is pending; and
   the own and another model's forward once the pass retires (its first check
-  finds the step done). Floor rows, overlap's hooks off: the own and the other
+  finds the step done). The pending pass is armed (its params watch
+  themselves); the same three pending rows again with the hooks and the read
+  watch, the pass a model that cannot arm keeps. Floor rows, overlap's hooks off: the own and the other
   model under a torch function mode that only calls each op, its
   __torch_function__ in C (`_C.torch_function_call_through`), and the own
   forward with global module hooks that do nothing: what torch itself charges
-  any read watch and any module hook, before either does anything; and the
-  own and the other model with the own model's params made
-  SelfWatchingParameters, a batch's given their class back at its first op:
-  the floor of a watch carried by the pending params themselves.
+  any read watch and any module hook, before either does anything.
 - compact states: the step of a SwapOptimizer whose states are bf16 or 8-bit
   against the same SwapOptimizer with the default states, over 8 params of
   500k elements at swap_times 8 (one thread: the CPU loops' own speed), for
@@ -245,40 +244,36 @@ def tiny_op_model(device: torch.device, seed: int) -> nn.Sequential:
 
 # situation -> (what it runs: "own" forward, a "loop" over its blocks, or the
 # "other" model's forward; whether a pass is pending; whether it keeps watching
-# once every batch is updated). The step is done before each forward: pending
+# once every batch is updated; whether it keeps the hooks and the read watch
+# where it could arm its params). The step is done before each forward: pending
 # situations that keep watching measure what the checks cost while a step is in
 # flight, whose batches are ready (no wait blocks); the others what a forward
 # costs once the pass retires (its first check finds the step done).
 SITUATIONS = {
-    "hooks idle": ("own", False, False),
-    "pending, own forward": ("own", True, True),
-    "pending, script loop": ("loop", True, True),
-    "pending, another model": ("other", True, True),
-    "step done, own forward": ("own", True, False),
-    "step done, another model": ("other", True, False),
+    "hooks idle": ("own", False, False, False),
+    "pending, own forward": ("own", True, True, False),
+    "pending, script loop": ("loop", True, True, False),
+    "pending, another model": ("other", True, True, False),
+    "step done, own forward": ("own", True, False, False),
+    "step done, another model": ("other", True, False, False),
+    "hooks and mode: pending, own forward": ("own", True, True, True),
+    "hooks and mode: pending, script loop": ("loop", True, True, True),
+    "hooks and mode: pending, another model": ("other", True, True, True),
 }
-# floor situation -> (what it runs, under what: a CallThroughMode, a global
-# forward pre-hook and hook that do nothing, or the model's params made
-# SelfWatchingParameters), overlap's hooks off, no step pending: what torch
-# itself charges any read watch and any module hook, and a watch carried by the
-# pending params themselves.
+# floor situation -> (what it runs, under what: a CallThroughMode, or a global
+# forward pre-hook and hook that do nothing), overlap's hooks off, no step
+# pending: what torch itself charges any read watch and any module hook.
 FLOOR_SITUATIONS = {
     "floor: a mode that only calls each op, own forward": ("own", "mode"),
     "floor: a mode that only calls each op, another model": ("other", "mode"),
     "floor: global module hooks that do nothing, own forward": ("own", "hooks"),
-    "floor: params that watch themselves, own forward": ("own", "params"),
-    "floor: params that watch themselves, another model": ("other", "params"),
 }
 
 
 @contextlib.contextmanager
-def _floor(under: str, batches: list[list[nn.Parameter]]):
+def _floor(under: str):
     if under == "mode":
         with CallThroughMode():
-            yield
-        return
-    if under == "params":
-        with SelfWatchingParameter.armed(batches):
             yield
         return
     handles = [nn.modules.module.register_module_forward_pre_hook(lambda module, args: None),
@@ -298,67 +293,6 @@ class CallThroughMode(TorchFunctionMode):
         super().__init__()
         # (torch takes a mode's __torch_function__ only as a method bound to the mode)
         self.__torch_function__ = types.MethodType(_C.torch_function_call_through, self)
-
-
-# What a watch lets through without a look: metadata, never the data.
-_METADATA = frozenset({torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.shape.__get__,
-                       torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.grad.__get__,
-                       torch.Tensor.requires_grad.__get__, torch.Tensor.is_leaf.__get__})
-
-
-def _tensor_args(args, kwargs):
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)):
-            yield from value
-        else:
-            yield value
-
-
-class SelfWatchingParameter(nn.Parameter):
-    """The floor of a watch carried by the pending params themselves (not the
-    library's watch, which is a mode and hooks: docs/design.md, "What torch
-    charges any such check"): while armed, the params of a pending step are of
-    this class, so only an op that touches one reaches Python; every other
-    tensor's op, another model's forward whole, runs as without any watch.
-    The first op touching a param of batch b gives every param of batches
-    0..b its class back, where a real watch would wait for batch b; the
-    later ops on them run as without a watch."""
-
-    _batch_of: dict[int, int] = {}
-    _batches: list[list[nn.Parameter]] = []
-    _classes: dict[int, type] = {}
-    _restored_through = -1
-
-    @classmethod
-    @contextlib.contextmanager
-    def armed(cls, batches: list[list[nn.Parameter]]):
-        cls._batches, cls._restored_through = batches, -1
-        cls._batch_of = {id(p): b for b, params in enumerate(batches) for p in params}
-        cls._classes = {id(p): type(p) for params in batches for p in params}
-        for params in batches:
-            for p in params:
-                p.__class__ = cls
-        try:
-            yield
-        finally:
-            cls._restore_through(len(batches) - 1)
-
-    @classmethod
-    def _restore_through(cls, batch: int) -> None:
-        for b in range(cls._restored_through + 1, batch + 1):
-            for p in cls._batches[b]:
-                p.__class__ = cls._classes[id(p)]
-        cls._restored_through = max(cls._restored_through, batch)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func not in _METADATA:
-            touched = max((cls._batch_of[id(t)] for t in _tensor_args(args, kwargs) if type(t) is cls), default=-1)
-            if touched > cls._restored_through:
-                cls._restore_through(touched)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
 
 
 def measure_forward(device: torch.device, rounds: int, repeats: int) -> list[dict]:
@@ -398,9 +332,6 @@ def measure_forward(device: torch.device, rounds: int, repeats: int) -> list[dic
 
     for _ in range(2):  # the first step's next forward is the probe's (it makes the wait schedule)
         step(False)
-    # (the self-watching floor: the model's params in order, as many batches as the step's)
-    batches = [group["params"] for group in _groups_per_batch(list(model.parameters()),
-                                                              optimizer.memory_stats()["batches"])]
     samples: dict[str, dict[str, list[float]]] = {name: {"plain": [], "overlap": []}
                                                   for name in [*SITUATIONS, *FLOOR_SITUATIONS]}
     for number in range(rounds + 1):  # round 0 warms up (and runs the probe)
@@ -411,18 +342,18 @@ def measure_forward(device: torch.device, rounds: int, repeats: int) -> list[dic
                 with hooks_suspended():
                     plain.append(timed(kind))
                 step(False)
-                with hooks_suspended(), _floor(under, batches):
+                with hooks_suspended(), _floor(under):
                     floor.append(timed(kind))
             if number:
                 samples[name]["plain"].append(statistics.median(plain))
                 samples[name]["overlap"].append(statistics.median(floor))
-        for name, (kind, pending, keep_watching) in SITUATIONS.items():
+        for name, (kind, pending, keep_watching, mode_watch) in SITUATIONS.items():
             plain, overlap = [], []
             for _ in range(repeats):
                 step(False)
                 with hooks_suspended():
                     plain.append(timed(kind))
-                optimizer._overlap.set_test_hooks(keep_watching=keep_watching)
+                optimizer._overlap.set_test_hooks(keep_watching=keep_watching, mode_watch=mode_watch)
                 step(pending)
                 overlap.append(timed(kind))
             if number:
@@ -479,8 +410,8 @@ def step_table(rows: list[dict]) -> str:
 
 
 def forward_table(rows: list[dict]) -> str:
-    lines = ["| situation | plain ms | overlap ms (floor rows: under the mode, the hooks or the self-watching "
-             "params) | ratio (median / min) | extra us per module call |",
+    lines = ["| situation | plain ms | overlap ms (floor rows: under the mode or hooks) | "
+             "ratio (median / min) | extra us per module call |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['situation']} | {r['plain_ms']['median']:.3f} | {r['overlap_ms']['median']:.3f} | "

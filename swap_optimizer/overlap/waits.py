@@ -16,6 +16,7 @@ from torch import nn
 
 from .. import _C, torch_internals
 from ..step_guards import capturing
+from .armed import ARMED_RULES, ArmedPass, armable, foreign_handler
 from .guard import _BACKWARD_FUNCTIONS, _insert_mode, _ReadWatch, _remove_mode, pass_checks
 from .hooks import _Watch
 from .probe import _compiled_in_place, _structure, _WaitSchedule, _wrapped_module, check_model, find_blocks
@@ -64,12 +65,15 @@ class OverlapTestHooks:
     for params on a GPU (idle calls watched, an overlapped step unproven until
     synchronize()), for a CPU test with `capturing` simulated; keep_watching:
     a pass goes on to its last wait even once every batch is updated (the
-    benchmark measures the checks' cost so, with the step done)."""
+    benchmark measures the checks' cost so, with the step done); mode_watch:
+    every pass keeps the global hooks and the read watch, never arms its
+    tensors (ArmedPass: the tests of that watch)."""
     knocked_out: frozenset = frozenset()
     unguarded: frozenset = frozenset()
     knocked_out_rules: frozenset = frozenset()
     as_if_cuda: bool = False
     keep_watching: bool = False
+    mode_watch: bool = False
 
 
 class ForwardOverlap:
@@ -93,6 +97,8 @@ class ForwardOverlap:
         self.unproven = False    # CUDA: a deferred step no host sync has seen end
         self.watch_captures = self.device.type == "cuda"  # idle calls too: a graph captured before a step
         self.root_compiled = _compiled_in_place(model)
+        self.foreign_handlers = False  # the probe saw an op on a param beside a tensor subclass's handler
+        self.armable_model = False     # what the probe saw lets passes arm (_armable_model)
         self.test_hooks = OverlapTestHooks()
         self._param_positions: list[int] = []  # per param: the last pipeline position holding it
         # Per param, from the last probe: where the forward first needs it (_first_reads); None before one.
@@ -110,12 +116,13 @@ class ForwardOverlap:
 
     def set_test_hooks(self, **changes) -> None:
         """Tests only: changes fields of the OverlapTestHooks (the others stay)."""
-        unknown_rules = set(changes.get("knocked_out_rules", ())) - set(KNOCKABLE_RULES)
+        unknown_rules = set(changes.get("knocked_out_rules", ())) - set(KNOCKABLE_RULES) - set(ARMED_RULES)
         unknown_kinds = set(changes.get("unguarded", ())) - set(UNGUARDABLE)
         if unknown_rules or unknown_kinds:
             raise ValueError(f"set_test_hooks: unknown rules {sorted(unknown_rules)} or kinds {sorted(unknown_kinds)}; "
-                             f"rules are {sorted(KNOCKABLE_RULES)}, kinds {list(UNGUARDABLE)}")
-        sets = {key: frozenset(value) for key, value in changes.items() if key not in ("as_if_cuda", "keep_watching")}
+                             f"rules are {sorted(KNOCKABLE_RULES)} and {sorted(ARMED_RULES)}, kinds {list(UNGUARDABLE)}")
+        sets = {key: frozenset(value) for key, value in changes.items()
+                if key not in ("as_if_cuda", "keep_watching", "mode_watch")}
         self.test_hooks = replace(self.test_hooks, **{**changes, **sets})
         self.checks.lists = "lists" not in self.test_hooks.knocked_out_rules
         self.checks.keep_watching = self.test_hooks.keep_watching
@@ -139,8 +146,12 @@ class ForwardOverlap:
         """Whether module calls need the global hooks (_Watch): a pass pending
         or probing, a watch still on a stack, an orphaned pass not yet
         unregistered, or on CUDA the watch for a graph captured between steps."""
-        return self.pending or self.probing or self.watch_captures or self.orphaned or \
-            self._watch.thread is not None
+        return self._watching_calls() or self.watch_captures or self.orphaned or self._watch.thread is not None
+
+    def _watching_calls(self) -> bool:
+        """Whether module calls matter to the pass: a probe, or a pending pass
+        that did not arm its tensors."""
+        return self.probing or self.pending and self._armed is None
 
     # The pass's spans and pending runtime live in its checks, which C++ reads at each op.
     @property
@@ -160,6 +171,7 @@ class ForwardOverlap:
         self.checks.runtime = runtime
 
     def _reset_pass(self) -> None:
+        self._give_back_armed()
         self.pending = False        # positions of a deferred step may still be running
         # The runtime of the pending step, held by the pass itself: the optimizer
         # may be dropped before anything waits (complete_pending_step).
@@ -172,6 +184,15 @@ class ForwardOverlap:
         self._last_position = -1
         self._spans = None
         self._positions: list[int] = []  # per span tag: the position it waits for
+
+    def _give_back_armed(self) -> None:
+        """The pass's armed tensors, if any, are Parameters and Tensors again
+        (the pass forgets them only then: an interrupt in between leaves them
+        to the next give-back)."""
+        armed = getattr(self, "_armed", None)
+        if armed is not None:
+            armed.give_back_through()
+        self._armed: Optional[ArmedPass] = None  # the pass's tensors that watch themselves, if it armed them
 
     # ---------------------------------------------------------- structure
     def _check_in_model(self, params: list[torch.Tensor]) -> None:
@@ -263,6 +284,8 @@ class ForwardOverlap:
                 self._begin_probe()
             if self.busy():  # (after the pass is set: disarm_if_idle sees it busy from here on)
                 _Watch.arm()
+            else:  # (a pass whose tensors watch themselves: the probe's hooks go now, not at the next call)
+                _Watch.disarm_if_idle()
 
     def _knock_out_pass_rules(self) -> None:
         """Tests only: the rules of an overlapped pass's start switched off
@@ -284,12 +307,62 @@ class ForwardOverlap:
         knocked_out = self.test_hooks.knocked_out
         tagged = [(p, i) for i, p in enumerate(self.params) if i not in knocked_out]
         tagged += [(g, i) for i, g in enumerate(grads) if g is not None and i not in knocked_out]
-        self._spans = _C.SpanIndex(tagged, self.device)
         self._positions = last
+        if self._may_arm(tagged):
+            rules_off = self.test_hooks.knocked_out_rules
+            # (tagged: the params, then the grads, which a test's knocked-out rule leaves unarmed)
+            tensors = tagged[:len(self.params)] if "armed_grads" in rules_off else tagged
+            self._armed = ArmedPass(self, [(t, last[i]) for t, i in tensors if last[i] >= 0], rules_off)
+            self._armed.arm()
+            return
+        self._spans = _C.SpanIndex(tagged, self.device)
         if schedule.step_position >= 0:
             self._wait_until(schedule.step_position, runtime)
         if self.pending:
             self._push_watch()
+
+    def _may_arm(self, tagged: list[tuple[torch.Tensor, int]]) -> bool:
+        """Whether the pass's params and grads may watch themselves
+        (ArmedPass): the probe saw every read of a param with a grad (none
+        finishes inside step()), each by its module's first call at the
+        latest, and no op on a param beside a tensor subclass with a handler
+        of its own; no module with an eval fast path on; nothing is compiled,
+        each tensor is a Parameter or Tensor with no alias, and no test
+        needs today's watch."""
+        hooks = self.test_hooks
+        if hooks.mode_watch or hooks.knocked_out or hooks.unguarded or hooks.as_if_cuda or \
+                hooks.knocked_out_rules - ARMED_RULES.keys():
+            return False
+        schedule = self.schedule
+        # (MultiheadAttention and TransformerEncoderLayer skip their eval fast
+        # path when a param has a handler: the slow path's last bits differ)
+        fast_path = torch.backends.mha.get_fastpath_enabled() and \
+            any(isinstance(m, (nn.MultiheadAttention, nn.TransformerEncoderLayer)) for m in self.model.modules())
+        return schedule.step_position < 0 and not schedule.compiled and not self.foreign_handlers and \
+            self.armable_model and not fast_path and all(armable(t) for t, _ in tagged) and \
+            ArmedPass.may_arm_in_this_process()
+
+    def wait_armed(self, position: int) -> None:
+        """An op read an armed tensor whose update is at `position`. Not on
+        the thread that runs the step's update (the host backend's update
+        thread runs the step on these very tensors): it neither waits nor
+        gives back."""
+        if self.on_update_thread():
+            return
+        with self._lock:
+            if self._armed is None:
+                return  # the pass ended meanwhile: its tensors are back
+            if "armed_ops" in self._armed.rules_off:
+                return self._armed.give_back_through(position)
+            self._wait_until(position)
+            if self._armed is not None:
+                self._armed.give_back_through(self._waited)
+
+    def on_update_thread(self) -> bool:
+        """Whether this thread runs the pending step's update (the host
+        backend's update thread: it never waits for its own step)."""
+        runtime = self._pending_runtime
+        return runtime is not None and runtime.on_update_thread()
 
     def _begin_probe(self) -> None:
         self.probing = True
@@ -297,6 +370,8 @@ class ForwardOverlap:
         self._probe_calls: list[nn.Module] = []
         self._probe_first_inside: dict[int, int] = {}
         self._probe_compiled = any(_compiled_in_place(m) for m in self.model.modules())
+        # An op on a param beside a tensor with a handler of its own: the handler may run it past an armed param's.
+        self.foreign_handlers = False
         self._spans = _C.SpanIndex([(p, i) for i, p in enumerate(self.params)], self.device)
         self._push_watch()
 
@@ -352,12 +427,30 @@ class ForwardOverlap:
             wait_at[-1] = everything  # the pass ends with the step done
         step_position = max((last[i] for i in unseen), default=-1)
         self.schedule = _WaitSchedule(_structure(self.model), calls, wait_at, step_position, self._probe_compiled)
+        self.armable_model = self._armable_model(calls, index_of)
         if unseen:
             warnings.warn(f"SwapOptimizer(overlap_forward=True): param(s) {self._param_names(unseen)} got grads "
                           "although the probe saw no read of them inside a call of the model (the model run on "
                           "another thread than step(), or a Triton or raw-pointer kernel?); their updates now "
                           "complete inside step(), before it returns",
                           RuntimeWarning, stacklevel=4)
+
+    def _armable_model(self, calls: list[nn.Module], index_of: dict[int, int]) -> bool:
+        """Whether the probe's record lets passes arm (ArmedPass): no param
+        with a grad whose first read the probe saw came after its module's
+        first call (a read no Python sees may come before it, in that call:
+        only the mode watch's static rule waits there)."""
+        first_call_of: dict[int, int] = {}
+        for call, module in enumerate(calls):
+            first_call_of.setdefault(id(module), call)
+        for module in self.model.modules():
+            call = first_call_of.get(id(module))
+            for p in module.parameters(recurse=False) if call is not None else ():
+                i = index_of.get(id(p))
+                if i is not None and self.params[i].grad is not None and \
+                        self._probe_first_inside.get(i, _UNRANKED) > call:
+                    return False
+        return True
 
     def _first_reads(self, rank: list[int], calls: list[nn.Module]) -> list[int]:
         """Per param, where the forward first needs it, counted in calls: for a
@@ -443,6 +536,7 @@ class ForwardOverlap:
     def finish_pass(self) -> None:
         """No position is pending any more (or the probe ended)."""
         self.pending = False
+        self._give_back_armed()
         self._pending_runtime = None
         if self.orphaned:  # its optimizer is gone, and the step it left is done now
             self.orphaned = False
@@ -500,6 +594,7 @@ class ForwardOverlap:
         if runtime is not None:  # first: a nested signal meanwhile still finds the step pending, and waits too
             runtime.wait_step()  # a failure of the step is raised here, once
         self.pending = False
+        self._give_back_armed()
         self._pending_runtime = None
         self._spans = None
 
@@ -521,8 +616,11 @@ class ForwardOverlap:
 
     def orphan(self) -> None:
         """Its optimizer is gone while its last step runs on: the pass goes on
-        until that step is done (_Watch.unregister), and keeps the hooks on."""
+        until that step is done (_Watch.unregister), and keeps the hooks on
+        (puts them on, after an armed pass): the stepping thread's next module
+        call unregisters it."""
         self.orphaned = True
+        _Watch.arm()
 
     def finish_orphaned_step(self) -> None:
         """On a thread of its own (see _Watch.unregister): waits for the step an
@@ -534,6 +632,7 @@ class ForwardOverlap:
                 return  # the stepping thread's waits got there first
             _wait_for_dropped_step(runtime)
             self.pending = False
+            self._give_back_armed()
             self._pending_runtime = None
             self._spans = None
 
@@ -541,7 +640,8 @@ class ForwardOverlap:
         """A module call anywhere (the global pre-hook)."""
         if self.orphaned or self._watch.thread is not None and not (self.pending or self.probing):
             self._tidy()  # (what _tidy does, tested first: this runs at every module call)
-        if not (self.pending or self.probing or self.watch_captures):
+        watching = self._watching_calls()  # (a pass whose tensors watch themselves needs no call)
+        if not (watching or self.watch_captures):
             return  # idle on the CPU: nothing to do
         if id(module) not in self._modules:
             wrapped = _wrapped_module(module)
@@ -550,13 +650,13 @@ class ForwardOverlap:
             self._modules.add(id(module))  # its return is counted too
             self._wrappers.add(id(module))
         wrapper = id(module) in self._wrappers
-        if not (self.pending or self.probing):  # CUDA, idle: only a capture is watched for, with no lock
+        if not watching:  # CUDA, idle or armed: only a capture is watched for, with no lock
             if capturing(self.device):
                 self._refuse_capture()  # after wait(): a stream wait proves nothing here
                 self._note_capture()
             return
         with self._lock:
-            if not (self.pending or self.probing):
+            if not self._watching_calls():
                 return
             owner = threading.get_ident() == self.owner
             if owner:
@@ -620,6 +720,7 @@ class ForwardOverlap:
                 return
             touched = spans.touched(args, kwargs, lists="lists" not in self.test_hooks.knocked_out_rules)
             if self.probing:
+                self.foreign_handlers = self.foreign_handlers or bool(touched) and foreign_handler(args, kwargs)
                 inside = self._depth > 0
                 for i in touched:
                     if inside and i not in self._probe_first_inside:

@@ -160,22 +160,47 @@ FEATURES = ["plain", "scheduler", "grad_scaler", "grad_scaler_in_step", "clip", 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("feature", FEATURES)
-def test_overlap_trains_bitwise_like_without(feature, device):
+@pytest.mark.parametrize("watch", ["armed", "mode"])
+def test_overlap_trains_bitwise_like_without(feature, device, watch, overlap_may_arm):
+    """Each feature's loop, bitwise with overlap off, under either watch: the
+    params and grads watching themselves (armed, where a pass may) or the
+    global hooks and the read watch (mode)."""
     device = torch.device(device)
     runs = []
-    for overlap in (False, True):
-        model = build(device, tied=feature != "untied", activation_checkpointing=feature == "checkpointing")
-        # The step reads the scaler's tensors.
-        # (unscale_in_step with AdamW: the packed kernel's fp32 states, or torch's fused=True)
-        fields = dict(unscale_in_step=True, **PACKED_KERNEL) if feature.startswith("grad_scaler") else {}
-        optimizer = make_optimizer(model, overlap, device, **fields)
-        logged = train(model, optimizer, 5, device, feature)
-        runs.append((logged, snapshot(model, optimizer)))
+    # (the encoder's eval fast path, on, keeps passes unarmed: its slow path's last bits differ)
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(watch == "mode")
+    try:
+        for overlap in (False, True):
+            runs.append(train_and_snapshot(device, feature, watch, overlap))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
     (logged_off, snap_off), (logged_on, snap_on) = runs
     assert len(logged_off) == len(logged_on)
     for a, b in zip(logged_off, logged_on):
         assert torch.equal(a, b), f"{feature}: logged values differ: {a} vs {b}"
     assert_bitwise(snap_off, snap_on)
+
+
+def train_and_snapshot(device, feature, watch, overlap):
+    """One run of test_overlap_trains_bitwise_like_without: what it logged
+    and its snapshot. Under the armed watch every overlapped pass arms."""
+    from unittest import mock
+
+    from swap_optimizer.overlap.armed import ArmedPass
+
+    model = build(device, tied=feature != "untied", activation_checkpointing=feature == "checkpointing")
+    # The step reads the scaler's tensors.
+    # (unscale_in_step with AdamW: the packed kernel's fp32 states, or torch's fused=True)
+    fields = dict(unscale_in_step=True, **PACKED_KERNEL) if feature.startswith("grad_scaler") else {}
+    optimizer = make_optimizer(model, overlap, device, **fields)
+    if overlap:
+        optimizer._overlap.set_test_hooks(mode_watch=watch == "mode")
+    with mock.patch.object(ArmedPass, "arm", autospec=True, side_effect=ArmedPass.arm) as arm:
+        logged = train(model, optimizer, 5, device, feature)
+    if overlap:  # (the steps after the probe's)
+        assert arm.call_count == (4 if watch == "armed" else 0), (watch, arm.call_count)
+    return logged, snapshot(model, optimizer)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -203,32 +228,52 @@ def overlap_hooks_on():
             any(hook is _after_call for hook in module._global_forward_hooks.values()))
 
 
-def test_the_global_hooks_are_on_only_while_a_pass_needs_them():
+@pytest.mark.parametrize("armed", [True, False])
+def test_the_global_hooks_are_on_only_while_a_pass_needs_them(armed, overlap_may_arm):
     """Any global module hook sends every nn.Module call in the process down
     torch's slow path, so overlap's are on only while a pass needs them (the
-    probe after the first step, a pending step) and off once the step is
-    waited for or the pass has ended: an idle forward, of this model or any
-    other, calls none. The loop stays bitwise the one without overlap."""
+    probe after the first step, a pending step whose params do not watch
+    themselves) and off once the step is waited for or the pass has ended:
+    an idle forward, of this model or any other, calls none. A pass whose
+    params and grads watch themselves (armed) needs none while pending: its
+    params are PendingParameters until read. The loop stays bitwise the one
+    without overlap."""
+    from swap_optimizer.overlap.armed import PendingParameter
+
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)  # (the encoder's eval fast path on keeps passes unarmed)
+    try:
+        hooks_on_only_while_needed(armed, PendingParameter)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
+
+
+def hooks_on_only_while_needed(armed, PendingParameter):
     device = torch.device("cpu")
     model, plain_model = build(device), build(device)
     optimizer = make_optimizer(model, True, device)
+    optimizer._overlap.set_test_hooks(mode_watch=not armed)
     plain = make_optimizer(plain_model, False, device)
+    pending_hooks = (not armed, not armed)
     assert overlap_hooks_on() == (False, False)  # made, nothing to watch yet
     logged = train(model, optimizer, 1, device, "plain")
     assert optimizer._overlap.probing and overlap_hooks_on() == (True, True)
     logged += train(model, optimizer, 1, device, "plain")
-    assert optimizer._overlap.pending and overlap_hooks_on() == (True, True)
+    assert optimizer._overlap.pending and overlap_hooks_on() == pending_hooks
+    assert all(isinstance(p, PendingParameter) == armed for p in model.parameters())
     optimizer.wait()
     assert overlap_hooks_on() == (False, False)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
     with torch.no_grad():  # an idle forward: nothing pending
         logged.append(loss_of(model, tokens_for(500, device)))
     assert overlap_hooks_on() == (False, False)
     logged += train(model, optimizer, 2, device, "plain")  # pending again: the next forward waits
-    assert optimizer._overlap.pending and overlap_hooks_on() == (True, True)
+    assert optimizer._overlap.pending and overlap_hooks_on() == pending_hooks
     with torch.no_grad():  # its last block waits for the last batch: the pass ends, and the hooks go
         logged.append(loss_of(model, tokens_for(501, device)))
         logged.append(loss_of(model, tokens_for(502, device)))
     assert not optimizer._overlap.pending and overlap_hooks_on() == (False, False)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
     logged_plain = train(plain_model, plain, 1, device, "plain") + train(plain_model, plain, 1, device, "plain")
     with torch.no_grad():
         logged_plain.append(loss_of(plain_model, tokens_for(500, device)))
@@ -251,7 +296,7 @@ def test_a_pass_whose_step_is_done_ends_at_its_next_check(keep_watching):
     device = torch.device("cpu")
     model, other = build(device), build(device)
     optimizer = make_optimizer(model, True, device)
-    optimizer._overlap.set_test_hooks(keep_watching=keep_watching)
+    optimizer._overlap.set_test_hooks(keep_watching=keep_watching, mode_watch=True)  # (armed: the next test)
     train(model, optimizer, 2, device, "plain")  # the probe's step, then a pending one
     optimizer.wait()
     optimizer._set_test_hooks(compute_delay_us=200_000, seed=3)  # about 0.6 s of updates in all
@@ -279,6 +324,7 @@ def test_a_pass_retires_at_its_first_call_or_at_a_later_wait(monkeypatch):
     model = build(device)
     optimizer = make_optimizer(model, True, device)
     overlap = optimizer._overlap
+    overlap.set_test_hooks(mode_watch=True)  # (the calls' checks: an armed pass makes none)
     train(model, optimizer, 2, device, "plain")  # the probe's step, then a pending one
     walks = []
     real_structure = overlap_module._structure
@@ -345,9 +391,10 @@ def test_an_entry_held_across_a_deferred_step_takes_edits():
         assert all(torch.equal(p, q) for p, q in zip(params, reference)), mode
 
 
-def test_the_private_torch_apis_overlap_uses_work_on_this_torch():
+def test_the_private_torch_apis_overlap_uses_work_on_this_torch(monkeypatch):
     """Each wrapper of swap_optimizer/torch_internals.py does what overlap
     relies on, on the torch under test (2.14 in CI, 2.11 in the GPU check)."""
+    from torch._dynamo.utils import counters
     from torch.overrides import TorchFunctionMode
 
     from swap_optimizer import torch_internals
@@ -397,6 +444,28 @@ def test_the_private_torch_apis_overlap_uses_work_on_this_torch():
     del moved.__dict__["_parameters"]  # as a torch that keeps them elsewhere would
     with pytest.raises(TypeError, match="without `_parameters`.*overlap_forward=False"):
         torch_internals.module_structure(nn.Sequential(moved))
+    # a storage one tensor holds, then an alias too (a view, .data, .detach())
+    alone = torch.randn(4, requires_grad=True)
+    assert torch_internals.storage_is_shared(alone) is False
+    for make_alias in (lambda t: t.view(2, 2), lambda t: t.data, lambda t: t.detach()):
+        alias = make_alias(alone)
+        assert torch_internals.storage_is_shared(alone) is True
+        del alias
+        assert torch_internals.storage_is_shared(alone) is False
+    # every backward calls `before` first: Tensor.backward, autograd.backward and grad
+    monkeypatch.setattr(torch.autograd, "_engine_run_backward", torch.autograd._engine_run_backward)
+    calls = []
+    assert torch_internals.call_before_every_backward(lambda: calls.append("before"))
+    (alone * 2).sum().backward()
+    torch.autograd.backward((alone * 3).sum())
+    torch.autograd.grad((alone * 4).sum(), alone)
+    assert calls == ["before"] * 3
+    # whether torch.compile compiled a frame: its frame counter
+    monkeypatch.setitem(counters, "frames", counters["frames"].copy())
+    counters["frames"].clear()
+    assert not torch_internals.compiled_anything()
+    counters["frames"]["total"] += 1
+    assert torch_internals.compiled_anything()
 
 
 def test_the_span_lookup_finds_every_alias_among_an_ops_arguments():

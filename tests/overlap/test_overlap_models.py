@@ -552,15 +552,19 @@ class UserMode(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_watch_leaves_the_mode_stack_as_it_found_it():
+@pytest.mark.parametrize("armed", [True, False])
+def test_the_watch_leaves_the_mode_stack_as_it_found_it(armed, overlap_may_arm):
     """The watch sits at the bottom of the mode stack (above torch.device
     contexts) while a step is pending outside the model's calls, and is gone
     once the step is waited for; users' modes entered and left meanwhile, and
-    a torch.device context around everything, keep working."""
+    a torch.device context around everything, keep working. A pass whose
+    params watch themselves (armed) puts no mode on the stack at all."""
     stack_size = torch._C._len_torch_function_stack
     torch.manual_seed(0)
     model = SequentialBlocks()
     optimizer = make_optimizer(model, True)
+    optimizer._overlap.set_test_hooks(mode_watch=not armed)
+    watch = 0 if armed else 1
     with torch.device("cpu"):
         base = stack_size()
         for step in range(4):
@@ -570,10 +574,11 @@ def test_the_watch_leaves_the_mode_stack_as_it_found_it():
             loss.backward()
             optimizer.step()
             if step >= 1:  # overlapped: the watch is on until the next forward's calls have waited
-                assert optimizer._overlap.pending and stack_size() == base + 1
+                assert optimizer._overlap.pending and stack_size() == base + watch
+                assert (optimizer._overlap._armed is not None) == armed
                 with UserMode():
-                    assert stack_size() == base + 2
-                assert stack_size() == base + 1
+                    assert stack_size() == base + watch + 1
+                assert stack_size() == base + watch
         optimizer.wait()
         assert stack_size() == base
     assert stack_size() == 0

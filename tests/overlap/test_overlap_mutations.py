@@ -9,6 +9,10 @@ update, as in tests/overlap/test_overlap.py). Each run with overlap is compared
 bitwise (torch.equal) with the same loop without it; its negative control
 switches off exactly its own rule (OverlapTestHooks.knocked_out_rules, listed in
 swap_optimizer.overlap.KNOCKABLE_RULES) and the same comparison then fails.
+Each case runs under both watches: the global hooks and the read watch (the
+rules above), and params and grads that watch themselves (an armed pass,
+whose rules are swap_optimizer.overlap.armed.ARMED_RULES: each case's own
+armed rule switched off fails it too).
 test_each_rule_is_caught_by_its_own_case (slow tier) runs every rule against
 every case: the matrix, and why a few cases also fail without another rule.
 step()'s own refusal to be captured lives in swap_optimizer.step_guards, not
@@ -16,12 +20,14 @@ in the overlap: its test patches that module's `capturing`.
 """
 
 import warnings
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
 import swap_optimizer as so
+import swap_optimizer.overlap.armed as armed_module
 import swap_optimizer.overlap.waits as overlap_module  # the rules it knocks out; where `capturing` is looked up
 import swap_optimizer.step_guards as step_guards_module
 
@@ -50,6 +56,20 @@ class Plain(nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return self.head(x)
+
+
+class SavesItsWeights(Plain):
+    """Plain, its layers' and head's weights read by torch.matmul, which
+    saves each weight itself for backward (a Linear saves a transposed view,
+    an alias: a pass with such a graph alive at step() does not arm). A graph
+    built before step() then holds no alias, the pass arms, and that graph's
+    backward reads the weights with no op on them."""
+
+    def forward(self, tokens):
+        x = self.hidden = self.embed(tokens)
+        for layer in self.layers:
+            x = torch.tanh(torch.matmul(x, layer.weight))
+        return torch.matmul(x, self.head.weight)
 
 
 class RootReadsAnother(Plain):
@@ -210,7 +230,7 @@ def zero_grad_in_place_after_step_loop(model, optimizer, step):
     return [loss.detach()]
 
 
-# case: (model, loop, the rule it covers)
+# case: (model, loop, the rule of the hooks and read watch it covers)
 CASES = {
     "read_in_the_models_own_call": (RootReadsAnother, plain_loop, "probe_rank_late"),
     "layer_scale_in_blocks_called_through_forward": (ForwardCalledBlocks, plain_loop, "probe_ranks"),
@@ -223,7 +243,21 @@ CASES = {
 }
 
 
-def make_optimizer(model, overlap, rules=(), lag=1):
+# case -> the armed pass's rule it covers (with the model ARMED_MODEL gives, if any)
+ARMED_RULE = {
+    "read_in_the_models_own_call": "armed_ops",
+    "layer_scale_in_blocks_called_through_forward": "armed_ops",
+    "subtree_read_in_a_module_list_block": "armed_ops",
+    "subtree_read_in_a_sequential_block": "armed_ops",
+    "foreach_and_cat_after_step": "armed_lists",
+    "backward_after_step": "armed_backward",
+    "autograd_grad_after_step": "armed_backward",
+    "zero_grad_in_place_after_step": "armed_grads",
+}
+ARMED_MODEL = {"backward_after_step": SavesItsWeights, "autograd_grad_after_step": SavesItsWeights}
+
+
+def make_optimizer(model, overlap, rules=(), lag=1, watch="mode"):
     params = list(model.parameters())
     inner = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     extra = dict(model=model, overlap_forward=True) if overlap else {}
@@ -233,23 +267,29 @@ def make_optimizer(model, overlap, rules=(), lag=1):
     assert all(len(batch["params"]) == 1 for batch in plan), "a param shares a batch: one wait would cover another"
     if overlap:
         optimizer._set_test_hooks(copy_delay_us=lag * COPY_DELAY_US, compute_delay_us=lag * COMPUTE_DELAY_US, seed=5)
-        assert set(rules) <= set(overlap_module.KNOCKABLE_RULES)
-        optimizer._overlap.set_test_hooks(knocked_out_rules=rules)
+        known = overlap_module.KNOCKABLE_RULES if watch == "mode" else armed_module.ARMED_RULES
+        assert set(rules) <= set(known)
+        optimizer._overlap.set_test_hooks(knocked_out_rules=rules, mode_watch=watch == "mode")
     return optimizer
 
 
-def run(case, overlap, rules=(), lag=1):
+def run(case, overlap, rules=(), lag=1, watch="mode"):
     """The case's loop for STEPS steps: what it logged, then the params and
-    the optimizer state. lag scales the update's delays."""
+    the optimizer state. lag scales the update's delays; watch: "mode" (the
+    hooks and the read watch) or "armed" (every overlapped pass armed)."""
     build, loop, _ = CASES[case]
+    build = ARMED_MODEL.get(case, build) if watch == "armed" else build
     torch.manual_seed(0)
     model = build()
-    optimizer = make_optimizer(model, overlap, rules, lag)
+    optimizer = make_optimizer(model, overlap, rules, lag, watch)
     logged = []
-    for step in range(STEPS):
-        logged += [t.detach().clone() for t in loop(model, optimizer, step)]
-    if overlap:  # the steps after the probe's did overlap
+    with mock.patch.object(armed_module.ArmedPass, "arm", autospec=True,
+                           side_effect=armed_module.ArmedPass.arm) as arm:
+        for step in range(STEPS):
+            logged += [t.detach().clone() for t in loop(model, optimizer, step)]
+    if overlap:  # the steps after the probe's did overlap, every one armed under the armed watch
         assert optimizer._overlap.schedule is not None and optimizer._overlap._last_step_deferred
+        assert arm.call_count == (STEPS - 1 if watch == "armed" else 0), (watch, arm.call_count)
     optimizer.wait()
     params = [p.detach().clone() for p in model.parameters()]
     state = [v.clone() for p in model.parameters() for v in optimizer.state[p].values()]
@@ -260,12 +300,12 @@ def differs(first, second):
     return len(first) != len(second) or any(not torch.equal(a, b) for a, b in zip(first, second))
 
 
-def differs_without(plain, case, rule):
+def differs_without(plain, case, rule, watch="mode"):
     """Whether the case differs from `plain` with `rule` knocked out. A read
     that no longer waits differs only if it comes before the update it races:
     on a loaded machine the forward may lag behind even the delayed update, so
     a run that shows no difference is tried again with the delays 10x."""
-    return any(differs(plain, run(case, True, rules={rule}, lag=lag)) for lag in (1, 10))
+    return any(differs(plain, run(case, True, rules={rule}, lag=lag, watch=watch)) for lag in (1, 10))
 
 
 def first_difference(first, second):
@@ -274,16 +314,18 @@ def first_difference(first, second):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_each_wait_is_needed_and_enough(case):
-    """Bitwise like overlap off; with the case's own rule knocked out, not."""
-    rule = CASES[case][2]
-    plain = run(case, False)
-    overlapped = run(case, True)
+@pytest.mark.parametrize("watch", ["mode", "armed"])
+def test_each_wait_is_needed_and_enough(case, watch, overlap_may_arm):
+    """Bitwise like overlap off, under either watch; with the case's own rule
+    of that watch knocked out, not."""
+    rule = CASES[case][2] if watch == "mode" else ARMED_RULE[case]
+    plain = run(case, False, watch=watch)
+    overlapped = run(case, True, watch=watch)
     assert not differs(plain, overlapped), \
         f"overlap changed the results (first at record {first_difference(plain, overlapped)} of {len(plain)})"
-    assert differs_without(plain, case, rule), \
-        f"negative control: without the rule {rule!r} ({overlap_module.KNOCKABLE_RULES[rule]}) the results " \
-        "should differ"
+    assert differs_without(plain, case, rule, watch), \
+        f"negative control: without the rule {rule!r} " \
+        f"({ {**overlap_module.KNOCKABLE_RULES, **armed_module.ARMED_RULES}[rule]}) the results should differ"
 
 
 # Where a case also fails without a rule other than its own, and why:

@@ -336,33 +336,3 @@ def test_floor_groups_are_the_params_in_order_one_group_per_batch():
     assert len(groups) == host_overhead.SWAP_TIMES
     assert [p for g in groups for p in g["params"]] == params and all(g["params"] for g in groups)
 
-
-def test_self_watching_params_reach_python_only_for_their_own_ops():
-    """The host-overhead bench's floor of a watch carried by the params: while
-    armed, only an op that touches an armed param reaches its
-    __torch_function__; the first such op gives that param's batch and every
-    batch before it their class back, later batches stay armed; metadata
-    reads restore nothing; results are bitwise those of the plain params;
-    leaving gives every class back."""
-    generator = torch.Generator().manual_seed(7)
-    model, other = (host_overhead.tiny_op_model(torch.device("cpu"), seed) for seed in (0, 1))
-    x = torch.randn(8, host_overhead.WIDTH, generator=generator)
-    with torch.no_grad():
-        expected = model(x)
-    params = list(model.parameters())
-    batches = [params[:4], params[4:40], params[40:]]
-    armed = host_overhead.SelfWatchingParameter
-    with armed.armed(batches), torch.no_grad():
-        assert all(type(p) is armed for p in params)
-        other(x)  # another model's ops never touch them
-        assert all(type(p) is armed for p in params)
-        assert params[8].shape == (host_overhead.WIDTH,) and params[8].grad is None  # (a LayerNorm weight)
-        assert all(type(p) is armed for p in params)
-        torch.add(params[10], 1.0)  # batch 1: batches 0 and 1 come back, 2 stays armed
-        assert [type(p) is torch.nn.Parameter for p in params] == [True] * 40 + [False] * (len(params) - 40)
-        got = model(x)
-        assert all(type(p) is torch.nn.Parameter for p in params)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    with armed.armed(batches):
-        pass
-    assert all(type(p) is torch.nn.Parameter for p in params)
