@@ -355,7 +355,6 @@ PARITY_TESTS=(
   "tests/runtime/test_split_params.py::test_fault_inside_and_outside_a_split_param_keeps_every_element_consistent[update-3-all swapped-cuda]"
   # overlap_forward: AdamW and torch-update rules, a tensor lr under a scheduler, the waits, a graph capture
   "tests/overlap/test_overlap.py::test_overlap_trains_bitwise_like_without[armed-plain-cuda]"
-  "tests/overlap/test_overlap.py::test_overlap_trains_bitwise_like_without[mode-plain-cuda]"
   "tests/overlap/test_overlap.py::test_overlap_trains_bitwise_like_without[armed-scheduler-cuda]"
   "tests/overlap/test_overlap.py::test_the_waits_are_what_keeps_it_right[cuda]"
   "tests/overlap/test_overlap.py::test_fault_at_every_batch_of_a_deferred_step_loses_nothing[update-cuda]"

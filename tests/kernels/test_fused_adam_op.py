@@ -264,6 +264,7 @@ def digest_of_cpu_loops():
     print(torch.backends.cpu.get_cpu_capability(), digest)
 
 
+@pytest.mark.slow  # (three interpreters, each building the loops' digest: 18 s of the README's tier)
 def test_cpu_instruction_sets_agree_bitwise():
     """The AVX-512, AVX2 and baseline builds of the CPU loops, plain and
     compact, give the same bits (AVX-512 where the CPU has it)."""

@@ -160,7 +160,9 @@ FEATURES = ["plain", "scheduler", "grad_scaler", "grad_scaler_in_step", "clip", 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("watch", ["armed", "mode"])
+# (the hooks and the read watch: every feature in the slow tier; the README's tier checks that watch
+# in test_the_global_hooks_are_on_only_while_a_pass_needs_them and every mutation case)
+@pytest.mark.parametrize("watch", ["armed", pytest.param("mode", marks=pytest.mark.slow)])
 def test_overlap_trains_bitwise_like_without(feature, device, watch, overlap_may_arm):
     """Each feature's loop, bitwise with overlap off, under either watch: the
     params and grads watching themselves (armed, where a pass may) or the

@@ -141,6 +141,7 @@ def test_it_leaves_at_most_8_files_in_out():
     assert written and logs and written | logs <= set(out_files), (written | logs) - set(out_files)
 
 
+@pytest.mark.slow  # (a collection of the whole suite: 12 s of the README's tier)
 def test_the_parity_set_covers_each_family_and_mode_and_its_ids_exist(tmp_path):
     parity, delays = bash_array("PARITY_TESTS"), bash_array("DELAY_TESTS")
     joined = "\n".join(parity)
