@@ -643,6 +643,7 @@ def test_a_rejected_load_keeps_the_groups_and_the_torn_refusal():
         swapped.step()
 
 
+@pytest.mark.slow  # (9 s of the README's tier; Muon's bitwise test of each config stays there)
 def test_muon_for_the_matrices_beside_adamw_for_the_rest():
     """Muon's usual set-up: the hidden matrices on Muon, the embedding, norms
     and head on AdamW, each its own SwapOptimizer, stepped in one loop with

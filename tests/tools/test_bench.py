@@ -270,6 +270,7 @@ def test_resident_share_sweep_moves_less_as_the_share_rises(tmp_path, monkeypatc
     assert "| swap s8 a2 share 0.5 |" in out and "predicted step() ms" in out and "step() vs resident" in out
 
 
+@pytest.mark.slow  # (7 s of the README's tier)
 def test_host_overhead_reports_each_path_and_situation(tmp_path, capsys):
     """--host-overhead: a row per (shape set, optimizer path) and per forward
     situation, with plain and SwapOptimizer times side by side, their ratio and

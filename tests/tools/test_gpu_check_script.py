@@ -208,6 +208,7 @@ def test_its_bench_argument_check_catches_what_failed_there():
 # ------------------------------------------------------- embedded programs
 
 
+@pytest.mark.slow  # (a run of the script's stage each: 11 s of the README's tier)
 @pytest.mark.parametrize("variable", ["sanitizer_run", "racecheck_run"])
 def test_its_sanitizer_runs_run_on_the_cpu_backend(variable, tmp_path):
     """The same Python on the host backend: its shapes reach the paths it
@@ -222,6 +223,7 @@ def test_its_sanitizer_runs_run_on_the_cpu_backend(variable, tmp_path):
     assert "run done" in result.stdout
 
 
+@pytest.mark.slow  # (6 s of the README's tier)
 def test_its_auto_budget_check_runs_on_the_cpu_backend(tmp_path):
     """On the CPU a simulated device with room for everything: the budget is
     derived after the warm-up, everything moves resident, and the results are
