@@ -38,7 +38,6 @@ class ArmedWaiter(Protocol):
     """What an armed tensor's op calls (waits.ForwardOverlap)."""
 
     def wait_armed(self, position: int) -> None: ...
-    def on_update_thread(self) -> bool: ...
 
 
 def _waits(func) -> bool:
@@ -64,35 +63,35 @@ ARMED_RULES = {
 _PASSES: list["ArmedPass"] = []
 
 
-def _armed_in(args, kwargs) -> list[tuple["ArmedPass", int]]:
-    """The tensors of armed passes in an op, each with its pass and position
-    (given back already or not), where torch looks for __torch_function__:
-    arguments, and the items of list and tuple arguments."""
-    found = []
-    for value in (*args, *kwargs.values()):
+def _op_items(args, kwargs):
+    """Where torch looks for __torch_function__ in an op: each argument, and
+    the items of list and tuple arguments, with whether it came from one."""
+    for value in (*args, *(kwargs or {}).values()):
         listed = isinstance(value, (list, tuple))
         for item in value if listed else (value,):
-            for armed in _PASSES:
-                entry = armed.entries.get(id(item))
-                if entry is not None and entry[0] is item and not (listed and "armed_lists" in armed.rules_off):
-                    found.append((armed, entry[1]))
+            yield item, listed
+
+
+def _armed_in(args, kwargs) -> list[tuple["ArmedPass", int]]:
+    """The tensors of armed passes in an op, each with its pass and position
+    (given back already or not)."""
+    found = []
+    for item, listed in _op_items(args, kwargs):
+        for armed in _PASSES:
+            entry = armed.entries.get(id(item))
+            if entry is not None and entry[0] is item and not (listed and "armed_lists" in armed.rules_off):
+                found.append((armed, entry[1]))
     return found
 
 
 def _any_pending(args, kwargs) -> bool:
-    for value in (*args, *kwargs.values()):
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            if type(item) is PendingParameter or type(item) is PendingTensor:
-                return True
-    return False
+    return any(type(item) is PendingParameter or type(item) is PendingTensor for item, _ in _op_items(args, kwargs))
 
 
 def _pending_torch_function(cls, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     found = _armed_in(args, kwargs)
-    # The update thread of the host backend runs the step itself on these
-    # tensors: it never waits for its own step.
-    if found and _waits(func):
+    if found and _waits(func):  # (on the update thread wait_armed returns at once: _any_pending below stays true)
         furthest: dict = {}  # per pass, the last position the op needs (a wait covers the ones before)
         for armed, position in found:
             furthest[armed] = max(position, furthest.get(armed, position))
@@ -155,12 +154,9 @@ def foreign_handler(args, kwargs) -> bool:
     first, and one that runs the op itself, without looking at the other
     types (torch's default returns NotImplemented then), runs it past an
     armed tensor's."""
-    for value in (*args, *(kwargs or {}).values()):
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(item, torch.Tensor) and type(item) not in _OWN_CLASSES and \
-                    type(item).__torch_function__ is not torch._C._disabled_torch_function_impl:
-                return True
-    return False
+    return any(isinstance(item, torch.Tensor) and type(item) not in _OWN_CLASSES and
+               type(item).__torch_function__ is not torch._C._disabled_torch_function_impl
+               for item, _ in _op_items(args, kwargs))
 
 
 def armable(tensor: torch.Tensor) -> bool:

@@ -54,6 +54,14 @@ KNOCKABLE_RULES = {
 UNGUARDABLE = ("ops", "divergence", "compiled")
 
 
+def _first_calls(calls: list[nn.Module]) -> dict[int, int]:
+    """Per module (by id), the index of its first call in `calls`."""
+    first_call_of: dict[int, int] = {}
+    for call, module in enumerate(calls):
+        first_call_of.setdefault(id(module), call)
+    return first_call_of
+
+
 @dataclass(frozen=True)
 class OverlapTestHooks:
     """Tests only, given through ForwardOverlap.set_test_hooks: negative
@@ -440,9 +448,7 @@ class ForwardOverlap:
         with a grad whose first read the probe saw came after its module's
         first call (a read no Python sees may come before it, in that call:
         only the mode watch's static rule waits there)."""
-        first_call_of: dict[int, int] = {}
-        for call, module in enumerate(calls):
-            first_call_of.setdefault(id(module), call)
+        first_call_of = _first_calls(calls)
         for module in self.model.modules():
             call = first_call_of.get(id(module))
             for p in module.parameters(recurse=False) if call is not None else ():
@@ -458,9 +464,7 @@ class ForwardOverlap:
         share one rank (and, kept resident, one resident batch); -1 for params
         that must be done inside step(), _UNRANKED for those never read."""
         block_start = {}
-        first_call_of = {}
-        for call, module in enumerate(calls):
-            first_call_of.setdefault(id(module), call)
+        first_call_of = _first_calls(calls)
         blocks = find_blocks(self.model, expand_sequential="sequential" not in self.test_hooks.knocked_out_rules)
         # A module shared between blocks keeps its own first call: it would tie later blocks to the first.
         owners = Counter(id(m) for block in blocks for m in block.modules())
